@@ -1,0 +1,60 @@
+"""Runs the tiny CPU job under torchrun for the end-to-end tests."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "tests" / "configs" / "tiny_tiered.toml"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nnodes: int = 1,
+             node_rank: int = 0, port: int = 0, timeout: int = 300, loss_log: str = "losses.jsonl",
+             config: Path = CONFIG) -> subprocess.CompletedProcess:
+    """One torchrun invocation of the test job with its dump and local folders under
+    `workdir`; returns the finished process (stdout and stderr together)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(ROOT),
+               TITAN_CKPT_LOSS_LOG=str(workdir / loss_log), TITAN_CKPT_FAULT=fault,
+               WANDB_MODE="offline")
+    if nnodes == 1:
+        launch = ["--standalone"]
+    else:
+        launch = ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv_backend", "c10d",
+                  "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "titan-ckpt-test"]
+    cmd = [str(TORCHRUN), *launch, "--nproc_per_node", str(nproc), "-m", "torchtitan.train",
+           "--job.config_file", str(config), "--job.dump_folder", str(workdir / "dump"),
+           "--checkpoint.local_folder", str(workdir / "local" / "{node_rank}"), *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def events(path: Path, kind: str | None = None) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if kind is None or rec.get("event") == kind:
+                out.append(rec)
+    return out
+
+
+def losses(workdir: Path, name: str = "losses.jsonl") -> dict[int, float]:
+    """step -> loss; a later incarnation's value for a step overrides an earlier one."""
+    return {r["step"]: r["loss"] for r in events(workdir / name, "loss")}
+
+
+def ckpt_events(workdir: Path, kind: str) -> list[dict]:
+    return events(workdir / "dump" / "titan_ckpt_plus" / "events.jsonl", kind)
+
+
+def flip_byte(path: Path, where: float = 0.5) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[int(len(raw) * where)] ^= 0xFF
+    path.write_bytes(bytes(raw))

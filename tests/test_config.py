@@ -1,0 +1,71 @@
+"""The `[checkpoint]` keys parse from TOML and the CLI; bad values fail clearly."""
+
+import pytest
+
+from titan_ckpt_plus import config
+
+TOML = """
+[job]
+custom_config_module = "titan_ckpt_plus.config"
+dump_folder = "{dump}"
+[checkpoint]
+enable = true
+tier_local = true
+local_folder = "{local}"
+local_interval = 7
+interval = 21
+"""
+
+
+def _parse(tmp_path, *cli, local="/tmp/x/local/{node_rank}"):
+    from torchtitan.config import ConfigManager
+
+    f = tmp_path / "job.toml"
+    f.write_text(TOML.format(dump=tmp_path / "dump", local=local))
+    return ConfigManager().parse_args(["--job.config_file", str(f), *cli])
+
+
+def test_keys_parse_from_toml_and_cli(tmp_path):
+    cfg = _parse(tmp_path)
+    ck = cfg.checkpoint
+    assert (ck.tier_local, ck.local_interval, ck.interval, ck.local_keep_latest_k) == (True, 7, 21, 3)
+    cfg = _parse(tmp_path, "--checkpoint.local_interval", "3", "--checkpoint.no-tier-local")
+    assert cfg.checkpoint.local_interval == 3 and cfg.checkpoint.tier_local is False
+
+
+def test_unknown_key_names_the_key(tmp_path):
+    from torchtitan.config import ConfigManager
+
+    f = tmp_path / "bad.toml"
+    f.write_text('[job]\ncustom_config_module = "titan_ckpt_plus.config"\n'
+                 "[checkpoint]\ntier_lcoal = true\n")
+    with pytest.raises(ValueError, match="tier_lcoal"):
+        ConfigManager().parse_args(["--job.config_file", str(f)])
+
+
+@pytest.mark.parametrize("cli,key", [
+    (["--checkpoint.local_interval", "0"], "local_interval = 0"),
+    (["--checkpoint.local_interval", "-5"], "local_interval = -5"),
+    (["--checkpoint.interval", "0"], "interval = 0"),
+    (["--checkpoint.local_keep_latest_k", "1"], "local_keep_latest_k = 1"),
+    (["--checkpoint.keep_latest_k", "1"], "keep_latest_k = 1"),
+    (["--checkpoint.local_folder", ""], "needs a node-local folder"),
+    (["--checkpoint.local_folder", "/x/{rack}"], "unknown placeholder"),
+])
+def test_bad_values_fail_naming_key_and_fix(tmp_path, cli, key):
+    cfg = _parse(tmp_path, *cli)
+    with pytest.raises(config.ConfigError, match="Fix:") as e:
+        config.validate(cfg.checkpoint, cfg.job.dump_folder)
+    assert key in str(e.value)
+
+
+@pytest.mark.parametrize("inside", ["dump/checkpoint", "dump/checkpoint/local/{node_rank}", "dump"])
+def test_local_folder_overlapping_pfs_is_refused(tmp_path, inside):
+    cfg = _parse(tmp_path, local=str(tmp_path / inside))
+    with pytest.raises(config.ConfigError, match="overlaps the PFS folder"):
+        config.validate(cfg.checkpoint, cfg.job.dump_folder)
+
+
+def test_placeholders_expand(monkeypatch):
+    monkeypatch.setenv("GROUP_RANK", "3")
+    assert config.resolve_local_folder("/nvme/{node_rank}").endswith("/nvme/3")

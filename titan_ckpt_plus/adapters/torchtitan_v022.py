@@ -1,0 +1,194 @@
+"""Everything that touches torchtitan 0.2.2's internals.
+
+`install()` makes every construction of torchtitan's CheckpointManager yield
+`TieredCheckpointManager` when `[checkpoint] tier_local = true`, by overriding
+`CheckpointManager.__new__`. That works under plain `torchrun -m torchtitan.train`
+(where the trainer module is `__main__` and patching `torchtitan.train` would not)
+and for any other trainer that builds a CheckpointManager.
+"""
+
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
+from torchtitan.components import checkpoint as tt_checkpoint
+from torchtitan.tools.logging import logger
+
+from titan_ckpt_plus import config, cpu_fallback, faults, flavors
+from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+from titan_ckpt_plus.staging import copy_into
+from titan_ckpt_plus.telemetry import EventLog
+
+_StockManager = tt_checkpoint.CheckpointManager
+
+
+class TieredCheckpointManager(_StockManager):
+    """torchtitan's CheckpointManager with a node-local tier in front of its folder.
+
+    The PFS tier is torchtitan's own `folder`, in its own DCP layout, filled in the
+    background from committed local steps.
+    """
+
+    def __init__(self, dataloader, model_parts, optimizers, lr_schedulers, states,
+                 checkpoint_config, sd_adapter, base_folder: str = "", ft_manager=None) -> None:
+        config.validate(checkpoint_config, base_folder)
+        if ft_manager is not None and getattr(ft_manager, "enabled", False):
+            raise config.ConfigError(
+                "[checkpoint] tier_local = true is not supported with torchft "
+                "([fault_tolerance] enable = true). Fix: set tier_local = false.")
+        super().__init__(dataloader, model_parts, optimizers, lr_schedulers, states,
+                         checkpoint_config, sd_adapter, base_folder, ft_manager)
+        self.tiered: TieredCheckpointer | None = None
+        if not self.enable:
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        settings = TierSettings(
+            local_root=config.resolve_local_folder(checkpoint_config.local_folder),
+            pfs_folder=self.folder,
+            local_interval=checkpoint_config.local_interval,
+            pfs_interval=checkpoint_config.interval,
+            local_keep=checkpoint_config.local_keep_latest_k,
+            pfs_keep=checkpoint_config.keep_latest_k,
+            rank=rank,
+            world_size=world,
+            first_on_node=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+            layout_tag=self._layout_tag(world),
+            pin=torch.cuda.is_available(),
+        )
+        events_path = os.path.join(base_folder, "titan_ckpt_plus", "events.jsonl")
+        self.events = EventLog(events_path if rank == 0 else None)
+        self.tiered = TieredCheckpointer(settings, self._capture, self.events)
+        logger.info(f"[titan_ckpt_plus] tiers on: local {settings.local_root} every "
+                    f"{settings.local_interval} steps, PFS {self.folder} every "
+                    f"{settings.pfs_interval} steps")
+
+    # ---- what is saved --------------------------------------------------------
+
+    def _capture(self) -> dict:
+        """The same state stock torchtitan hands to dcp.save, with every Stateful
+        resolved to its state_dict(), so DCP sees identical keys after the drain."""
+        return {k: v.state_dict() if isinstance(v, Stateful) else v
+                for k, v in self._flattened_model_states_sd().items()}
+
+    def _layout_tag(self, world: int) -> dict:
+        """What a local step must match to be loaded by this job: world size and how
+        each parameter is sharded. Read from the model wrapper's cached state dict, so
+        computing it has no side effects (the optimizer is not touched)."""
+        rows = []
+        for k, v in self.states[tt_checkpoint.MODEL].state_dict().items():
+            spec = getattr(v, "_spec", None)
+            local = v.to_local() if spec is not None else v
+            rows.append([k, str(v.dtype), list(local.shape),
+                         str(spec.placements) if spec else "", list(spec.mesh.shape) if spec else []])
+        digest = hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+        return {"world_size": world, "model": digest}
+
+    # ---- torchtitan's API -----------------------------------------------------
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        if self.tiered is None or self.load_only:
+            super().save(curr_step, last_step)
+        else:
+            first = curr_step == 1 and self.enable_first_step_checkpoint
+            self.tiered.save(curr_step, last_step or first)
+        faults.maybe_kill("kill_after_step", curr_step)
+
+    def maybe_wait_for_staging(self) -> None:
+        if self.tiered is None:
+            return super().maybe_wait_for_staging()
+        self.tiered.wait_for_staging()
+
+    @torch.no_grad()
+    def load(self, step: int = -1) -> bool:
+        if self.tiered is None or step != -1:
+            return super().load(step)
+        t0 = __import__("time").monotonic()
+        rec = self.tiered.recover()
+        for tier, s, why in rec.skipped:
+            logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
+        if rec.tier is None:
+            if rec.skipped and any(t == "pfs" for t, _, _ in rec.skipped):
+                raise RuntimeError(
+                    "[titan_ckpt_plus] every checkpoint failed its checks (see warnings "
+                    "above); refusing to load a corrupt one or to silently start over. "
+                    f"Move {self.folder} and the local folders aside to start from scratch.")
+            return super().load(step)  # nothing of ours: initial_load_path / HF as stock
+        if rec.tier == "local":
+            self._load_local(rec.state)
+        else:
+            states = self._states_to_load(model_only=rec.step == 0)
+            rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, states)
+        seconds = __import__("time").monotonic() - t0
+        logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {rec.tier} tier in "
+                    f"{seconds:.2f}s (bytes read: local {rec.bytes_read['local']}, "
+                    f"pfs {rec.bytes_read['pfs']})")
+        self.events.record("recovery", step=rec.step, tier=rec.tier, seconds=seconds,
+                           bytes_local=rec.bytes_read["local"], bytes_pfs=rec.bytes_read["pfs"],
+                           skipped=[list(x) for x in rec.skipped])
+        return True
+
+    def _load_local(self, saved: dict) -> None:
+        for key, live in self._states_to_load(model_only=False).items():
+            if key not in saved:
+                raise ValueError(f"[titan_ckpt_plus] local checkpoint lacks {key!r}")
+            if isinstance(live, Stateful):
+                live.load_state_dict(copy_into(live.state_dict(), saved[key], key))
+            else:
+                copy_into(live, saved[key], key)
+
+    def close(self) -> None:
+        tiered, self.tiered = getattr(self, "tiered", None), None
+        if tiered is not None:
+            tiered.close()
+        super().close()
+
+
+def _wants_tiers(args, kwargs) -> bool:
+    cfg = kwargs.get("checkpoint_config", args[5] if len(args) > 5 else None)
+    return bool(getattr(cfg, "enable", False) and getattr(cfg, "tier_local", False))
+
+
+LOSS_LOG_ENV = "TITAN_CKPT_LOSS_LOG"
+
+
+def _record_losses(path: str | None) -> None:
+    """Test hook: append each logged step's exact loss (repr of the float) to `path`,
+    so a resumed run can be compared bit for bit with an uninterrupted one. Armed by
+    the TITAN_CKPT_LOSS_LOG environment variable, for stock and tiered runs alike."""
+    if not path or os.environ.get("RANK", "0") != "0":
+        return
+    from torchtitan.components.metrics import MetricsProcessor
+
+    original = MetricsProcessor.log
+    log = EventLog(path)
+
+    def logged(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
+        log.record("loss", step=step, loss=float(global_avg_loss))
+        return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+
+    MetricsProcessor.log = logged
+
+
+_installed = False
+
+
+def install() -> None:
+    """Idempotent: CPU fallback (only without an accelerator), extra model flavors,
+    and the CheckpointManager hook."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    cpu_fallback.apply_if_needed()
+    flavors.register()
+    _record_losses(os.environ.get(LOSS_LOG_ENV))
+
+    def __new__(cls, *args, **kwargs):
+        if cls is _StockManager and _wants_tiers(args, kwargs):
+            cls = TieredCheckpointManager
+        return object.__new__(cls)
+
+    _StockManager.__new__ = __new__

@@ -1,0 +1,315 @@
+"""Two-tier checkpointing, independent of torchtitan's classes.
+
+    save(step)   stage the state into a reused host buffer (the only blocking part;
+                 the tensor copy may overlap the next forward/backward and is awaited
+                 in wait_for_staging(), just before optimizer.step())
+      writer     thread: buffer -> local part, fsync; all ranks agree on a gloo group;
+                 commit marker; local retention; hand PFS steps to the drainer
+      drainer    thread: committed local part -> dcp.save on the PFS (own gloo group),
+                 manifest, PFS retention. The training loop never waits for it, except
+                 in flush() at the last step and close().
+
+A failed save (disk full, permission, I/O error) is logged and counted; training
+goes on and the older checkpoints stay.
+"""
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from titan_ckpt_plus import faults, recovery, staging
+from titan_ckpt_plus.telemetry import EventLog
+from titan_ckpt_plus.tiers.local import LocalTier
+from titan_ckpt_plus.tiers.files import CorruptCheckpoint
+from titan_ckpt_plus.tiers.pfs import PfsTier, _all_true, agree
+
+log = __import__("logging").getLogger("titan_ckpt_plus")
+
+
+@dataclass
+class TierSettings:
+    local_root: str
+    pfs_folder: str
+    local_interval: int
+    pfs_interval: int
+    local_keep: int
+    pfs_keep: int
+    rank: int
+    world_size: int
+    first_on_node: bool
+    layout_tag: dict = field(default_factory=dict)
+    pin: bool = False
+    overlap_staging: bool = True
+
+
+@dataclass
+class SaveStats:
+    saves: int = 0
+    failed_saves: int = 0
+    drains: int = 0
+    failed_drains: int = 0
+    last_committed: int = -1
+    last_drained: int = -1
+    deltas: list = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    step: int
+    pfs_due: bool
+    started: float
+    layout: staging.StateLayout | None = None
+    specs: dict = field(default_factory=dict)
+    staged: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+    staging_s: float = 0.0
+
+
+@dataclass
+class Recovery:
+    tier: str | None  # "local", "pfs" or None (nothing usable)
+    step: int = -1
+    state: Any = None  # local: the saved state, tensors as views of the read buffer
+    bytes_read: dict = field(default_factory=lambda: {"local": 0, "pfs": 0})
+    skipped: list = field(default_factory=list)  # (tier, step, reason)
+
+
+class TieredCheckpointer:
+    def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog) -> None:
+        self.s = s
+        self.capture = capture
+        self.events = events
+        self.local = LocalTier(s.local_root, s.rank, s.world_size, s.first_on_node, s.local_keep)
+        self.pfs = PfsTier(s.pfs_folder, s.rank, s.world_size, s.pfs_keep)
+        self.stats = SaveStats()
+        self.buffer = staging.HostBuffer(pin=s.pin)
+        self._buffer_free = threading.Event()
+        self._buffer_free.set()
+        self._copy_thread: threading.Thread | None = None
+        self._pending_delta = 0.0
+        self._pending_wait = 0.0
+        self._pending_step = -1
+        self._draining: set[int] = set()
+        # Dedicated groups: their collectives run on background threads and must never
+        # interleave with each other or with the training group's.
+        self.commit_pg = dist.new_group(backend="gloo")
+        self.drain_pg = dist.new_group(backend="gloo")
+        self._write_q: queue.Queue = queue.Queue()
+        self._drain_q: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._writer_loop, name="ckpt-local-writer", daemon=True)
+        self._drainer = threading.Thread(target=self._drain_loop, name="ckpt-pfs-drainer", daemon=True)
+        self._writer.start()
+        self._drainer.start()
+
+    # ---- training-thread side -------------------------------------------------
+
+    def due(self, step: int, last_step: bool) -> tuple[bool, bool]:
+        """(save now, also drain this step to the PFS)."""
+        pfs = last_step or step % self.s.pfs_interval == 0
+        return pfs or step % self.s.local_interval == 0, pfs
+
+    def save(self, step: int, last_step: bool = False) -> None:
+        save_now, pfs_due = self.due(step, last_step)
+        if not save_now:
+            return
+        t0 = time.monotonic()
+        self._buffer_free.wait()  # the writer still holds the buffer: part of delta
+        waited = time.monotonic() - t0
+        job = _Job(step, pfs_due, t0)
+        try:
+            job.layout, tensors, job.specs = staging.plan_layout(self.capture())
+            self.buffer.ensure(job.layout.total_bytes)
+        except Exception as e:  # a state we cannot stage is a failed save, not a crash
+            self._failed("local", step, f"staging: {e!r}")
+            job.staged.set()
+            self._write_q.put(job)  # the writer must still join the commit vote
+            return
+        self._buffer_free.clear()
+        if self.s.overlap_staging and not last_step:
+            self._copy_thread = threading.Thread(target=self._copy, args=(job, tensors), daemon=True)
+            self._copy_thread.start()
+        else:
+            self._copy(job, tensors)
+        self._write_q.put(job)
+        self._pending_delta = time.monotonic() - t0
+        self._pending_wait = waited
+        self._pending_step = step
+        if last_step:
+            self.wait_for_staging()
+            self.flush()
+
+    def _copy(self, job: _Job, tensors) -> None:
+        try:
+            self.buffer.copy_in(job.layout, tensors)
+            job.ok = True
+        except Exception as e:
+            self._failed("local", job.step, f"staging copy: {e!r}")
+        finally:
+            job.staging_s = time.monotonic() - job.started
+            job.staged.set()
+
+    def wait_for_staging(self) -> None:
+        """Called before optimizer.step(): the staged copy must be complete before the
+        parameters change."""
+        if self._copy_thread is None and not self._pending_delta:
+            return
+        t0 = time.monotonic()
+        if self._copy_thread is not None:
+            self._copy_thread.join()
+            self._copy_thread = None
+        delta = self._pending_delta + time.monotonic() - t0
+        self._pending_delta = 0.0
+        self.stats.deltas.append(delta)
+        self.events.record("stage", step=self._pending_step, tier="local", delta_s=delta,
+                           wait_prev_s=self._pending_wait)
+
+    def flush(self) -> None:
+        """Wait until every queued local write and PFS drain is done."""
+        self.wait_for_staging()
+        self._write_q.join()
+        self._drain_q.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._write_q.put(None)
+        self._drain_q.put(None)
+        self._writer.join()
+        self._drainer.join()
+
+    def recover(self) -> Recovery:
+        """Collective: agree on the newest checkpoint every rank can load, verify it,
+        and return it (a local state already read and checked, or a PFS step)."""
+        rec = Recovery(None)
+        mine = self.local.candidates(self.s.layout_tag)
+        reports: list = [None] * self.s.world_size
+        dist.all_gather_object(reports, mine, group=self.commit_pg)
+        for s, lacking in recovery.incomplete_local_steps(reports).items():
+            rec.skipped.append(("local", s, f"no committed matching part on ranks {lacking[:8]}"))
+        for tier, step in recovery.ordered_candidates(reports, self.pfs.steps()):
+            if tier == "local":
+                why = ""
+                try:
+                    layout_bytes, data, n = self.local.read_part(step)
+                    rec.bytes_read["local"] += n
+                    layout = staging.StateLayout.from_bytes(layout_bytes)
+                    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+                    state = staging.rebuild(layout, buf)
+                except Exception as e:
+                    why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
+                why = agree(why, self.commit_pg)
+                if not why:
+                    rec.tier, rec.step, rec.state = tier, step, state
+                    return rec
+            else:
+                ok, why = self.pfs.verify(step, self.commit_pg)
+                if ok:
+                    rec.tier, rec.step = tier, step
+                    return rec
+            rec.skipped.append((tier, step, why))
+        return rec
+
+    # ---- background side ------------------------------------------------------
+
+    def _failed(self, tier: str, step: int, why: str) -> None:
+        if tier == "pfs":
+            self.stats.failed_drains += 1
+        else:
+            self.stats.failed_saves += 1
+        log.error(f"[titan_ckpt_plus] {tier} save of step {step} failed ({why}); "
+                  "training continues, older checkpoints are kept")
+        self.events.record("save_failed", step=step, tier=tier, error=why)
+
+    def _writer_loop(self) -> None:
+        while (job := self._write_q.get()) is not None:
+            try:
+                self._write(job)
+            finally:
+                self._write_q.task_done()
+        self._write_q.task_done()
+
+    def _write(self, job: _Job) -> None:
+        job.staged.wait()
+        t0 = time.monotonic()
+        nbytes = 0
+        if job.ok:
+            try:
+                meta = {"fingerprint": job.layout.fingerprint(), "layout_tag": self.s.layout_tag}
+                assert job.layout is not None
+                data = self.buffer.data[: job.layout.total_bytes].numpy()
+                nbytes = self.local.write_part(
+                    job.step, job.layout.to_bytes(), data, meta,
+                    on_chunk=lambda _n: faults.maybe_kill("kill_during_local_write", job.step))
+            except Exception as e:
+                job.ok = False
+                self._failed("local", job.step, repr(e))
+        self._buffer_free.set()
+        write_s = time.monotonic() - t0
+        # Every rank reaches this all-reduce, failed or not, so the groups stay in step.
+        if not _all_true(job.ok, self.commit_pg):
+            if job.ok:
+                self._failed("local", job.step, "another rank's part failed")
+            return
+        self.local.commit(job.step, {"world_size": self.s.world_size,
+                                     "layout_tag": self.s.layout_tag})
+        self.stats.saves += 1
+        self.stats.last_committed = job.step
+        commit_s = time.monotonic() - job.started
+        log.info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
+                 f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
+        self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
+                           staging_s=job.staging_s, background_write_s=write_s,
+                           time_to_commit_s=commit_s)
+        if job.pfs_due:
+            self._draining.add(job.step)
+            self._drain_q.put(job)
+        try:
+            self.local.purge(protected=set(self._draining))
+        except OSError as e:
+            log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
+
+    def _drain_loop(self) -> None:
+        while (job := self._drain_q.get()) is not None:
+            try:
+                self._drain(job)
+            finally:
+                self._draining.discard(job.step)
+                self._drain_q.task_done()
+        self._drain_q.task_done()
+
+    def _drain(self, job: _Job) -> None:
+        """Copy a committed local step to the PFS in DCP layout."""
+        t0 = time.monotonic()
+        state, why = None, ""
+        try:
+            layout_bytes, data, _ = self.local.read_part(job.step)
+            layout = staging.StateLayout.from_bytes(layout_bytes)
+            buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+            state = staging.rebuild(layout, buf, job.specs)
+        except Exception as e:
+            why = repr(e)
+        if not _all_true(state is not None, self.drain_pg):
+            self._failed("pfs", job.step, why or "another rank could not read its part")
+            return
+        try:
+            nbytes = self.pfs.save(job.step, state, self.drain_pg)
+        except Exception as e:
+            self._failed("pfs", job.step, repr(e))
+            return
+        self.stats.drains += 1
+        self.stats.last_drained = job.step
+        drain_s = time.monotonic() - t0
+        log.info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
+                 f"in {drain_s:.3f}s (background)")
+        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
+                           background_write_s=drain_s,
+                           drain_lag_steps=self.stats.last_committed - job.step)
+        try:
+            self.pfs.purge()
+        except OSError as e:
+            log.warning(f"[titan_ckpt_plus] PFS retention failed: {e!r}")

@@ -1,0 +1,156 @@
+"""``titan-ckpt`` command line.
+
+Each subcommand is a pair of small functions: ``_<name>_args(parser)`` adds
+its options and ``cmd_<name>(args) -> int`` runs it. They are registered in
+``COMMANDS`` and nowhere else. This module must stay importable without
+torch: subcommands that need heavy libraries import them inside ``cmd_*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from .policy.young import LLAMA3_MTBF_S, young_table
+
+LLAMA3_MTBF_HOURS = round(LLAMA3_MTBF_S / 3600, 2)  # 3.09
+
+
+def _floats(text: str) -> list[float]:
+    """Parse "600,120,2" into floats (argparse type)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def _ints(text: str) -> list[int]:
+    values = _floats(text)
+    if any(v != int(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected whole numbers, got {text!r}")
+    return [int(v) for v in values]
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Right-aligned plain-text table (first column left-aligned)."""
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    for r in [header] + rows:
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        print("  ".join(cells).rstrip())
+
+
+# -- plan -------------------------------------------------------------------
+
+
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--delta", type=_floats, default=[600, 120, 60, 10, 2],
+                   help="seconds a checkpoint blocks training, comma-separated (default: 600,120,60,10,2)")
+    p.add_argument("--mtbf-hours", type=float, default=LLAMA3_MTBF_HOURS,
+                   help=f"mean time between failures in hours (default: {LLAMA3_MTBF_HOURS}, Llama 3)")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Young's interval for each checkpoint cost."""
+    if not args.mtbf_hours > 0:
+        raise SystemExit("--mtbf-hours must be > 0")
+    print(f"Young interval tau = sqrt(2 delta M), M = {args.mtbf_hours:g} h; lost work per failure = tau/2")
+    rows = [
+        [f"{r.delta_s:g}", f"{r.tau_s / 60:.1f}", f"{r.overhead * 100:.1f}",
+         f"{r.lost_work_s / 60:.1f}", f"{r.checkpoints_per_day:.0f}"]
+        for r in young_table(args.delta, args.mtbf_hours * 3600)
+    ]
+    _print_table(["delta_s", "tau_min", "overhead_%", "lost_per_failure_min", "ckpts_per_day"], rows)
+    return 0
+
+
+# -- simulate ---------------------------------------------------------------
+
+
+def _simulate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mtbf-hours", type=float, default=LLAMA3_MTBF_HOURS, help="true MTBF of the Poisson trace")
+    p.add_argument("--prior-hours", type=_floats, default=None,
+                   help="adaptive priors, comma-separated (default: 0.1x,1x,10x the true MTBF)")
+    p.add_argument("--prior-weight", type=float, default=1.0, help="prior worth in pseudo-failures")
+    p.add_argument("--delta-local", type=float, default=10.0, help="seconds a local save blocks")
+    p.add_argument("--delta-pfs", type=float, default=120.0, help="seconds a PFS save blocks")
+    p.add_argument("--step-time", type=float, default=5.0, help="seconds per training step")
+    p.add_argument("--hours", type=float, default=54 * 24.0, help="compute the job needs, hours (default: 54 days)")
+    p.add_argument("--restart", type=float, default=300.0, help="seconds from failure to training again")
+    p.add_argument("--p-unrecoverable", type=float, default=0.1,
+                   help="fraction of failures the local tier cannot recover")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", default=None,
+                   help="file of failure times in seconds, one per line (# comments); replaces the Poisson trace")
+    p.add_argument("--fixed", type=_ints, default=[100, 500, 2000], help="fixed local intervals in steps")
+    p.add_argument("--fixed-pfs-ratio", type=int, default=10, help="fixed policies save to PFS every N local intervals")
+    p.add_argument("--warmup-failures", type=int, default=0, help="measure waste only after this many failures")
+
+
+def _read_trace(path: str) -> list[float]:
+    """Failure times in seconds, one per line; blank lines and # comments skipped."""
+    with open(path, encoding="utf-8") as f:
+        times = [float(line.split("#")[0]) for line in f if line.split("#")[0].strip()]
+    if times != sorted(times) or any(t < 0 for t in times):
+        raise SystemExit(f"{path}: failure times must be >= 0 and increasing")
+    return times
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Wasted fraction of adaptive, fixed and oracle policies on one trace."""
+    from .policy.simulate import Job, PoissonTrace, simulate, standard_policies
+
+    mtbf_s = args.mtbf_hours * 3600
+    try:
+        job = Job(args.hours * 3600, args.step_time, args.delta_local, args.delta_pfs,
+                  args.restart, args.p_unrecoverable)
+        trace = _read_trace(args.trace) if args.trace else PoissonTrace(mtbf_s, args.seed)
+        priors = [h * 3600 for h in args.prior_hours] if args.prior_hours else [mtbf_s / 10, mtbf_s, mtbf_s * 10]
+        policies = standard_policies(job, mtbf_s, priors, args.prior_weight, args.fixed, args.fixed_pfs_ratio)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    results = [simulate(job, p, trace, args.seed, args.warmup_failures) for p in policies]
+    oracle = results[0].wasted_fraction
+    source = f"trace {args.trace}" if args.trace else f"Poisson trace, MTBF {args.mtbf_hours:g} h, seed {args.seed}"
+    print(f"{source}; {results[0].failures} failures; step {args.step_time:g}s, "
+          f"delta local/pfs {args.delta_local:g}/{args.delta_pfs:g}s, restart {args.restart:g}s, "
+          f"p_unrecoverable {args.p_unrecoverable:g}")
+    rows = [
+        [r.policy, f"{r.wasted_fraction * 100:.2f}%",
+         f"{r.wasted_fraction / oracle:.3f}" if oracle > 0 else "-",
+         f"{r.final_intervals[0]}/{r.final_intervals[1]}"]
+        for r in results
+    ]
+    _print_table(["policy", "wasted", "vs_oracle", "interval_local/pfs"], rows)
+    return 0
+
+
+# -- registry ---------------------------------------------------------------
+
+# name -> (help, add_arguments, run). Add new subcommands here.
+COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "plan": ("Young checkpoint-interval table for given checkpoint costs", _plan_args, cmd_plan),
+    "simulate": ("replay a failure trace through checkpoint policies", _simulate_args, cmd_simulate),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="titan-ckpt", description="titan_ckpt_plus tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_args, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

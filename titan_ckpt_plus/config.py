@@ -1,0 +1,110 @@
+"""The plugin's `[checkpoint]` keys and their validation.
+
+torchtitan 0.2.2 merges `JobConfig` from `[job] custom_config_module` into its own
+config field by field, so these keys live in the existing `[checkpoint]` table and
+parse from TOML and the CLI like torchtitan's own (`--checkpoint.local_interval 5`).
+
+This module imports no torch: the CLI and the tests read it without a training stack.
+"""
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Checkpoint:
+    tier_local: bool = False
+    """Save frequently to a node-local folder and drain to `folder` (the PFS) in the
+    background. False keeps torchtitan's own checkpointing, byte for byte."""
+
+    local_folder: str = ""
+    """Node-local folder (NVMe). Placeholders: {node_rank} (torchrun's node rank),
+    {hostname}. Relative paths are taken from the working directory."""
+
+    local_interval: int = 50
+    """Steps between local saves. `interval` stays the PFS interval."""
+
+    local_keep_latest_k: int = 3
+    """Committed local steps kept per node; at least 2, as the newest may be in use."""
+
+
+@dataclass
+class JobConfig:
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+
+
+class ConfigError(ValueError):
+    """A configuration value the plugin cannot run with; the message names the key
+    and the fix, and is raised before any training step."""
+
+
+def node_rank() -> int:
+    """torchrun exports the node's rank as GROUP_RANK; other launchers as NODE_RANK."""
+    for name in ("GROUP_RANK", "NODE_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def resolve_local_folder(template: str) -> str:
+    """Expand {node_rank} and {hostname}; any other placeholder is a config error."""
+    try:
+        path = template.format(node_rank=node_rank(), hostname=socket.gethostname())
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(
+            f"[checkpoint] local_folder = {template!r} has an unknown placeholder ({e}). "
+            "Fix: use only {node_rank} and {hostname}."
+        ) from None
+    return os.path.abspath(path)
+
+
+def _is_inside(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def validate(ckpt, dump_folder: str) -> None:
+    """Check the plugin's keys (and the torchtitan keys they interact with).
+
+    `ckpt` is the merged `[checkpoint]` config object.
+    """
+    if not ckpt.enable:
+        return
+    if ckpt.interval <= 0:
+        raise ConfigError(
+            f"[checkpoint] interval = {ckpt.interval} is invalid: it is the PFS interval "
+            "in steps and must be positive. Fix: set interval >= 1 (e.g. 500)."
+        )
+    if not ckpt.tier_local:
+        return
+    if ckpt.local_interval <= 0:
+        raise ConfigError(
+            f"[checkpoint] local_interval = {ckpt.local_interval} is invalid: it must be a "
+            "positive number of steps. Fix: set local_interval >= 1 (e.g. 50)."
+        )
+    if not ckpt.local_folder:
+        raise ConfigError(
+            "[checkpoint] tier_local = true needs a node-local folder. Fix: set "
+            'local_folder = "/local_nvme/ckpt/{node_rank}" (or set tier_local = false).'
+        )
+    if ckpt.local_keep_latest_k < 2:
+        raise ConfigError(
+            f"[checkpoint] local_keep_latest_k = {ckpt.local_keep_latest_k} is invalid: the "
+            "newest local step may still be in use, so at least 2 are kept. "
+            "Fix: set local_keep_latest_k >= 2."
+        )
+    if ckpt.keep_latest_k == 1:
+        raise ConfigError(
+            "[checkpoint] keep_latest_k = 1 is invalid: the newest PFS step may still be "
+            "written. Fix: set keep_latest_k >= 2, or 0 to keep all."
+        )
+    local = resolve_local_folder(ckpt.local_folder)
+    pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))
+    if _is_inside(local, pfs) or _is_inside(pfs, local):
+        raise ConfigError(
+            f"[checkpoint] local_folder = {ckpt.local_folder!r} resolves to {local}, which "
+            f"overlaps the PFS folder {pfs} ([job] dump_folder + [checkpoint] folder); "
+            "their retention would delete each other's steps. Fix: point local_folder "
+            "at node-local storage outside the PFS folder."
+        )

@@ -1,0 +1,33 @@
+"""Fault injection for tests and the demo, armed only by an environment variable.
+
+    TITAN_CKPT_FAULT="kill_after_step@7:1,kill_during_local_write@10"
+
+kinds: kill_after_step (after step N's save call), kill_during_local_write (after
+the first chunk of step N's local data file); `:R` limits it to global rank R. Only
+the first incarnation fires (TORCHELASTIC_RESTART_COUNT 0), so torchrun restarts run clean.
+"""
+
+import os
+import signal
+
+ENV = "TITAN_CKPT_FAULT"
+
+
+def _armed(kind: str, step: int) -> bool:
+    spec = os.environ.get(ENV, "")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    rank = os.environ.get("RANK", "0")
+    for item in spec.split(","):
+        name, _, where = item.strip().partition("@")
+        at, _, only_rank = where.partition(":")
+        if name == kind and at.isdigit() and int(at) == step and only_rank in ("", rank):
+            return True
+    return False
+
+
+def maybe_kill(kind: str, step: int) -> None:
+    if _armed(kind, step):
+        print(f"[titan_ckpt_plus.faults] {kind} at step {step}: SIGKILL rank "
+              f"{os.environ.get('RANK', '0')}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,38 @@
+"""Extra llama3 model flavors for tests and benchmarks.
+
+``torchtitan.models.llama3.get_train_spec()`` builds a new TrainSpec on every call but passes the
+module-level dict ``llama3_args`` itself as ``model_args``, so adding keys to that dict is seen by
+``get_train_spec("llama3")`` (and by any spec later derived from it with ``dataclasses.replace``).
+Use them with ``--model.flavor tiny`` / ``--model.flavor 100M``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FLAVORS", "register"]
+
+
+def _flavors() -> dict:
+    from torchtitan.models.llama3 import TransformerModelArgs
+
+    return {
+        # ~0.3M parameters: fast unit/e2e tests (a step takes well under a second on CPU).
+        "tiny": TransformerModelArgs(
+            dim=64, n_layers=2, n_heads=4, vocab_size=2048, rope_theta=500000
+        ),
+        # ~102M parameters (fp32 model ~0.41 GB, with AdamW state ~1.2 GB per checkpoint):
+        # checkpoint-save benchmark.  vocab 2048 matches the demo tokenizer.
+        "100M": TransformerModelArgs(
+            dim=768, n_layers=14, n_heads=12, vocab_size=2048, rope_theta=500000
+        ),
+    }
+
+
+FLAVORS = ("tiny", "100M")
+
+
+def register() -> None:
+    """Add the flavors to torchtitan's llama3 model args (idempotent; never overrides)."""
+    from torchtitan.models.llama3 import llama3_args
+
+    for name, args in _flavors().items():
+        llama3_args.setdefault(name, args)

@@ -1,0 +1,187 @@
+"""One rank's training state as a skeleton plus one contiguous host buffer.
+
+Staging is the only part of a save the training loop waits for, so it is a plain
+sequence of `copy_` calls into a buffer that is allocated once and reused (pinned on
+GPUs, so the copies run on the copy engine). Everything after staging (the local
+write, the PFS drain) reads the buffer or the files made from it.
+
+A state is a nested structure of dicts/lists/tuples whose leaves are tensors,
+DTensors or plain Python values. DTensors are saved by their local shard: the local
+tier is only ever loaded by the same layout that wrote it.
+"""
+
+import hashlib
+import io
+import json
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+ALIGN = 64
+_PLAIN = (int, float, str, bytes, bool, type(None))
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class StateLayout:
+    """Where every tensor of a state lives in the host buffer."""
+
+    skeleton: Any  # the state with each tensor replaced by {"__tensor__": index}
+    entries: list[TensorEntry]
+    total_bytes: int
+
+    def fingerprint(self) -> str:
+        """Identifies the tensor table: a local step is loadable only by a job whose
+        state has the same paths, dtypes and local shapes."""
+        table = [(e.path, e.dtype, list(e.shape)) for e in self.entries]
+        return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+
+    def to_bytes(self) -> bytes:
+        entries = [(e.path, e.dtype, e.shape, e.offset, e.nbytes) for e in self.entries]
+        return pickle.dumps(
+            {"skeleton": self.skeleton, "entries": entries, "total": self.total_bytes},
+            protocol=4,
+        )
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "StateLayout":
+        """Call only on checksum-verified bytes; the unpickler still refuses any
+        class, so a bad file cannot run code."""
+        d = _PlainUnpickler(io.BytesIO(data)).load()
+        entries = [TensorEntry(p, dt, tuple(s), o, n) for p, dt, s, o, n in d["entries"]]
+        return StateLayout(d["skeleton"], entries, d["total"])
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from a checkpoint")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
+    """Walk `state`; return its layout, its tensors' local shards in entry order, and
+    the DTensor specs by entry index (kept in memory to rebuild DTensors for DCP)."""
+    entries: list[TensorEntry] = []
+    tensors: list[torch.Tensor] = []
+    specs: dict = {}
+    offset = 0
+
+    def walk(obj: Any, path: str) -> Any:
+        nonlocal offset
+        if isinstance(obj, torch.Tensor):
+            local = _local(obj).detach()
+            nbytes = local.numel() * local.element_size()
+            entries.append(
+                TensorEntry(path, str(local.dtype).removeprefix("torch."),
+                            tuple(local.shape), offset, nbytes)
+            )
+            tensors.append(local)
+            if isinstance(obj, DTensor):
+                specs[len(entries) - 1] = obj._spec
+            offset += -(-nbytes // ALIGN) * ALIGN
+            return {"__tensor__": len(entries) - 1}
+        if isinstance(obj, dict):
+            return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            items = [walk(v, f"{path}/{i}") for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else tuple(items)
+        if isinstance(obj, io.BytesIO):
+            return obj.getvalue()
+        if isinstance(obj, _PLAIN):
+            return obj
+        raise TypeError(f"cannot stage {type(obj).__name__} at {path or '/'}")
+
+    skeleton = walk(state, "")
+    return StateLayout(skeleton, entries, offset), tensors, specs
+
+
+def tensor_view(buffer: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    dtype = getattr(torch, e.dtype)
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=dtype)
+    return buffer[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
+
+
+class HostBuffer:
+    """A reusable host buffer; grows when the state grows, pinned when a GPU is used."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+    def ensure(self, nbytes: int) -> torch.Tensor:
+        if self.data.numel() < nbytes:
+            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return self.data
+
+    def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor]) -> None:
+        """The blocking copy; on GPUs the copies are queued and synchronized once."""
+        buf = self.ensure(layout.total_bytes)
+        for e, t in zip(layout.entries, tensors):
+            if e.nbytes:
+                tensor_view(buf, e).copy_(t, non_blocking=self.pin)
+        if self.pin and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
+def rebuild(layout: StateLayout, buffer: torch.Tensor, specs: dict | None = None) -> Any:
+    """The state with its tensors as views of `buffer` (no copy). With `specs`, the
+    entries that were DTensors become DTensors again (host shards), as DCP needs."""
+    specs = specs or {}
+
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            if set(obj) == {"__tensor__"}:
+                i = obj["__tensor__"]
+                t = tensor_view(buffer, layout.entries[i])
+                return DTensor(t, specs[i], requires_grad=False) if i in specs else t
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [walk(v) for v in obj]
+        if isinstance(obj, tuple):
+            return tuple(walk(v) for v in obj)
+        return obj
+
+    return walk(layout.skeleton)
+
+
+def copy_into(live: Any, saved: Any, path: str = "") -> Any:
+    """Copy a saved state into a live one in place; returns what to hand to
+    `load_state_dict`. Tensors are copied byte for byte into the live (local) shards,
+    so a resumed run continues bit-exactly. A structural mismatch raises."""
+    if isinstance(live, torch.Tensor):
+        if not isinstance(saved, torch.Tensor):
+            raise ValueError(f"{path}: checkpoint has {type(saved).__name__}, job has a tensor")
+        dst = _local(live)
+        if dst.shape != saved.shape or dst.dtype != saved.dtype:
+            raise ValueError(
+                f"{path}: checkpoint {saved.dtype}{list(saved.shape)} vs job {dst.dtype}{list(dst.shape)}"
+            )
+        dst.copy_(saved)
+        return live
+    if isinstance(live, dict) and isinstance(saved, dict):
+        missing = set(live) - set(saved)
+        if missing:
+            raise ValueError(f"{path}: checkpoint lacks {sorted(map(str, missing))[:5]}")
+        return {k: copy_into(live[k], saved[k], f"{path}/{k}") if k in live else saved[k]
+                for k in saved}
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)) and len(live) == len(saved):
+        items = [copy_into(a, b, f"{path}/{i}") for i, (a, b) in enumerate(zip(live, saved))]
+        return items if isinstance(live, list) else tuple(items)
+    if isinstance(live, io.BytesIO) and isinstance(saved, bytes):
+        return io.BytesIO(saved)
+    return saved

@@ -1,0 +1,101 @@
+"""Durable file primitives shared by the tiers and the CLI (no torch).
+
+A checkpoint file is trusted only through a manifest written after it: size and
+CRC-32 per file, written to a temporary name, fsync'd, then renamed into place.
+"""
+
+import json
+import os
+import zlib
+
+CHUNK = 16 << 20
+
+
+class CorruptCheckpoint(Exception):
+    """A file is missing, short, or fails its checksum."""
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_write_json(path: str, obj) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def read_json(path: str):
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def crc32_file(path: str) -> tuple[int, int]:
+    """(size, crc32) of a file, read in chunks."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def check_file(path: str, expect: dict) -> None:
+    """Raise CorruptCheckpoint unless `path` matches its manifest entry."""
+    if not os.path.isfile(path):
+        raise CorruptCheckpoint(f"{path}: missing")
+    size, crc = crc32_file(path)
+    if size != expect["size"] or crc != expect["crc32"]:
+        raise CorruptCheckpoint(
+            f"{path}: size {size} crc32 {crc:08x}, manifest says "
+            f"size {expect['size']} crc32 {expect['crc32']:08x}"
+        )
+
+
+def check_bytes(name: str, data, expect: dict) -> None:
+    crc = zlib.crc32(data)
+    if len(data) != expect["size"] or crc != expect["crc32"]:
+        raise CorruptCheckpoint(
+            f"{name}: size {len(data)} crc32 {crc:08x}, manifest says "
+            f"size {expect['size']} crc32 {expect['crc32']:08x}"
+        )
+
+
+def write_durable(path: str, data, on_chunk=None) -> dict:
+    """Write `data` (a buffer) to `path` via a temporary name, fsync'd; returns its
+    manifest entry. `on_chunk(bytes_written)` runs between chunks (fault injection)."""
+    view = memoryview(data).cast("B")
+    step = min(CHUNK, max(4096, len(view) // 2))
+    crc = 0
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        for start in range(0, len(view), step):
+            chunk = view[start : start + step]
+            crc = zlib.crc32(chunk, crc)
+            f.write(chunk)
+            if on_chunk:
+                f.flush()
+                on_chunk(start + len(chunk))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"size": len(view), "crc32": crc}
+
+
+def step_of(name: str) -> int | None:
+    """`step-N` -> N; anything else -> None."""
+    if name.startswith("step-") and name[5:].isdigit():
+        return int(name[5:])
+    return None

@@ -1,0 +1,139 @@
+"""The node-local tier: one folder per node, one part per rank per step.
+
+    <local_folder>/step-N/rank-00003.data    the rank's staged buffer, raw bytes
+                         rank-00003.layout  where each tensor lives in it (plain pickle)
+                         rank-00003.json    manifest: sizes and CRC-32 of both, step,
+                                            world size, layout fingerprint (written last)
+                         COMMIT.json        written by the node's first rank once every
+                                            rank of the job reported its part durable
+
+A step is a recovery candidate on this node only with COMMIT.json, and for a rank
+only if its own manifest matches the job (world size, layout) and its checksums pass.
+Each rank deletes only its own files, so no rank can delete a part another rank of the
+node is still reading.
+"""
+
+import os
+import shutil
+import time
+
+from titan_ckpt_plus.tiers import files
+
+COMMIT = "COMMIT.json"
+
+
+class LocalTier:
+    def __init__(self, root: str, rank: int, world_size: int, first_on_node: bool,
+                 keep_latest_k: int) -> None:
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.first_on_node = first_on_node
+        self.keep_latest_k = keep_latest_k
+        os.makedirs(root, exist_ok=True)
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step}")
+
+    def _part(self, step: int, suffix: str, rank: int | None = None) -> str:
+        r = self.rank if rank is None else rank
+        return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
+
+    def write_part(self, step: int, layout_bytes: bytes, data, meta: dict,
+                   on_chunk=None) -> int:
+        """Write this rank's part durably; returns bytes written. Raises on I/O error."""
+        d = self.step_dir(step)
+        os.makedirs(d, exist_ok=True)
+        self._drop_stale(step)
+        manifest = dict(meta, step=step, rank=self.rank, world_size=self.world_size,
+                        written_at=time.time())
+        manifest["files"] = {
+            "data": files.write_durable(self._part(step, "data"), data, on_chunk),
+            "layout": files.write_durable(self._part(step, "layout"), layout_bytes),
+        }
+        files.atomic_write_json(self._part(step, "json"), manifest)
+        return manifest["files"]["data"]["size"] + manifest["files"]["layout"]["size"]
+
+    def _drop_stale(self, step: int) -> None:
+        """A step number saved again (after a restart from an older step) must not
+        keep the previous incarnation's commit or manifest."""
+        stale = [self._part(step, "json")]
+        if self.first_on_node:
+            stale.append(os.path.join(self.step_dir(step), COMMIT))
+        for p in stale:
+            if os.path.exists(p):
+                os.remove(p)
+
+    def commit(self, step: int, info: dict) -> None:
+        if self.first_on_node:
+            files.atomic_write_json(os.path.join(self.step_dir(step), COMMIT),
+                                    dict(info, step=step, committed_at=time.time()))
+
+    def steps(self) -> list[int]:
+        if not os.path.isdir(self.root):
+            return []
+        return sorted(s for s in map(files.step_of, os.listdir(self.root)) if s is not None)
+
+    def committed_steps(self) -> list[int]:
+        return [s for s in self.steps()
+                if os.path.isfile(os.path.join(self.step_dir(s), COMMIT))]
+
+    def manifest(self, step: int, rank: int | None = None) -> dict | None:
+        try:
+            return files.read_json(self._part(step, "json", rank))
+        except (OSError, ValueError):
+            return None
+
+    def candidates(self, layout_tag: dict) -> list[int]:
+        """Committed steps whose part for this rank claims to match the job's world
+        size and parallel layout (checksums are checked later, when one is chosen)."""
+        out = []
+        for s in self.committed_steps():
+            m = self.manifest(s)
+            if m and m.get("world_size") == self.world_size and m.get("layout_tag") == layout_tag:
+                out.append(s)
+        return out
+
+    def read_part(self, step: int) -> tuple[bytes, bytearray, int]:
+        """(layout bytes, data, bytes read), both verified against the manifest."""
+        m = self.manifest(step)
+        if m is None:
+            raise files.CorruptCheckpoint(f"{self._part(step, 'json')}: missing or unreadable")
+        with open(self._part(step, "layout"), "rb") as f:
+            layout = f.read()
+        files.check_bytes(self._part(step, "layout"), layout, m["files"]["layout"])
+        path = self._part(step, "data")
+        size = os.path.getsize(path)
+        data = bytearray(size)
+        with open(path, "rb") as f:
+            f.readinto(data)
+        files.check_bytes(path, data, m["files"]["data"])
+        return layout, data, len(layout) + size
+
+    def purge(self, protected: set[int]) -> list[int]:
+        """Keep the newest `keep_latest_k` committed steps, anything newer than the
+        newest commit (being written) and `protected` (being drained); delete this
+        rank's files of every other step. Returns the steps touched."""
+        committed = self.committed_steps()
+        if not committed:
+            return []
+        keep = set(committed[-self.keep_latest_k:]) | protected
+        newest = committed[-1]
+        gone = []
+        for s in self.steps():
+            if s in keep or s > newest:
+                continue
+            d = self.step_dir(s)
+            if self.first_on_node and os.path.exists(os.path.join(d, COMMIT)):
+                os.remove(os.path.join(d, COMMIT))
+            for suffix in ("json", "layout", "data"):
+                p = self._part(s, suffix)
+                if os.path.exists(p):
+                    os.remove(p)
+            try:
+                os.rmdir(d)
+            except OSError:
+                if not any(n.startswith("rank-") and n.endswith(".json") for n in os.listdir(d)):
+                    shutil.rmtree(d, ignore_errors=True)
+            gone.append(s)
+        return gone

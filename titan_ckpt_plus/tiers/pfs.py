@@ -1,0 +1,123 @@
+"""The persistent tier: torchtitan's own DCP layout on the parallel file system.
+
+    <dump_folder>/<folder>/step-N/.metadata, __R_I.distcp   written by dcp.save
+                               titan_ckpt_plus.json          size and CRC-32 per file
+
+Stock torchtitan loads these steps as they are (it ignores the extra manifest) and
+DCP reshards them to another parallel layout. A step without `.metadata` is torn and
+never used; one without our manifest (written by stock torchtitan) is used unverified.
+"""
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from titan_ckpt_plus.tiers import files
+
+MANIFEST = "titan_ckpt_plus.json"
+
+
+class CountingReader(FileSystemReader):
+    """A FileSystemReader that counts the bytes DCP asks it for."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.bytes_read = 0
+
+    def read_data(self, plan, planner):
+        for req in plan.items:
+            self.bytes_read += self.storage_data[req.storage_index].length
+        return super().read_data(plan, planner)
+
+
+def _all_true(flag: bool, pg) -> bool:
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
+    return bool(t.item())
+
+
+def agree(why: str, pg) -> str:
+    """Collective: "" if every rank's check passed, else every failing rank's reason
+    (so the log on rank 0 names the file that failed on rank 5)."""
+    reasons: list = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(reasons, why, group=pg)
+    return "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
+
+
+class PfsTier:
+    def __init__(self, folder: str, rank: int, world_size: int, keep_latest_k: int) -> None:
+        self.folder = folder
+        self.rank = rank
+        self.world_size = world_size
+        self.keep_latest_k = keep_latest_k
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
+
+    def steps(self) -> list[int]:
+        """Complete steps (with .metadata), oldest first."""
+        if not os.path.isdir(self.folder):
+            return []
+        return sorted(
+            s for n in os.listdir(self.folder)
+            if (s := files.step_of(n)) is not None
+            and os.path.isfile(os.path.join(self.folder, n, ".metadata"))
+        )
+
+    def save(self, step: int, state: dict, pg) -> int:
+        """Collective over `pg`: dcp.save, then the manifest. Returns this rank's bytes."""
+        path = self.step_dir(step)
+        if self.rank == 0 and os.path.isdir(path):
+            # The same step saved again after a restart: never mix two incarnations'
+            # files under one .metadata.
+            shutil.rmtree(path)
+        dist.barrier(group=pg)
+        dcp.save(state, checkpoint_id=path, process_group=pg)
+        mine = {}
+        for name in sorted(os.listdir(path)):
+            if name.startswith(f"__{self.rank}_"):
+                size, crc = files.crc32_file(os.path.join(path, name))
+                mine[name] = {"size": size, "crc32": crc}
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=pg)
+        if self.rank == 0:
+            allfiles = {k: v for part in gathered for k, v in part.items()}
+            size, crc = files.crc32_file(os.path.join(path, ".metadata"))
+            allfiles[".metadata"] = {"size": size, "crc32": crc}
+            files.atomic_write_json(os.path.join(path, MANIFEST), {"step": step, "files": allfiles})
+        return sum(v["size"] for v in mine.values())
+
+    def verify(self, step: int, pg) -> tuple[bool, str]:
+        """Collective: each rank checks every world_size-th file of the manifest."""
+        path = self.step_dir(step)
+        reason = ""
+        try:
+            manifest = files.read_json(os.path.join(path, MANIFEST))
+            names = sorted(manifest["files"])
+            for name in names[self.rank :: self.world_size]:
+                files.check_file(os.path.join(path, name), manifest["files"][name])
+        except FileNotFoundError:
+            manifest = None  # written by stock torchtitan: nothing to verify against
+        except (files.CorruptCheckpoint, OSError, ValueError, KeyError) as e:
+            reason = str(e)
+        reason = agree(reason, pg)
+        return not reason, reason
+
+    def load(self, step: int, state: dict) -> int:
+        """dcp.load into `state` in place (resharding as needed); returns bytes read."""
+        reader = CountingReader(self.step_dir(step))
+        dcp.load(state, storage_reader=reader)
+        return reader.bytes_read
+
+    def purge(self) -> list[int]:
+        """Rank 0 keeps the newest `keep_latest_k` complete steps (0 keeps all)."""
+        if self.rank != 0 or self.keep_latest_k <= 0:
+            return []
+        old = self.steps()[: -self.keep_latest_k]
+        for s in old:
+            shutil.rmtree(self.step_dir(s), ignore_errors=True)
+        return old
