@@ -88,6 +88,8 @@ class TieredCheckpointer:
         self.local = LocalTier(s.local_root, s.rank, s.world_size, s.first_on_node, s.local_keep)
         self.pfs = PfsTier(s.pfs_folder, s.rank, s.world_size, s.pfs_keep)
         self.stats = SaveStats()
+        # Per-save figures once per job, not once per rank; warnings stay on every rank.
+        self._info = log.info if s.rank == 0 else (lambda *_: None)
         self.buffer = staging.HostBuffer(pin=s.pin)
         self._buffer_free = threading.Event()
         self._buffer_free.set()
@@ -260,7 +262,7 @@ class TieredCheckpointer:
         self.stats.saves += 1
         self.stats.last_committed = job.step
         commit_s = time.monotonic() - job.started
-        log.info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
+        self._info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
                  f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
         self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
                            staging_s=job.staging_s, background_write_s=write_s,
@@ -304,7 +306,7 @@ class TieredCheckpointer:
         self.stats.drains += 1
         self.stats.last_drained = job.step
         drain_s = time.monotonic() - t0
-        log.info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
+        self._info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
                  f"in {drain_s:.3f}s (background)")
         self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
                            background_write_s=drain_s,

@@ -128,12 +128,52 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- summary ----------------------------------------------------------------
+
+
+def _summary_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dump_folder", help="the job's [job] dump_folder")
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    """What the plugin did in a run (all incarnations): saves, recoveries, delta."""
+    import os
+    import statistics
+
+    from .telemetry import read_events
+
+    path = os.path.join(args.dump_folder, "titan_ckpt_plus", "events.jsonl")
+    ev = read_events(path)
+    if not ev:
+        print(f"no titan_ckpt_plus events in {path}")
+        return 1
+    by = lambda kind: [e for e in ev if e["event"] == kind]  # noqa: E731
+    stages, local, pfs = by("stage"), by("local_commit"), by("pfs_commit")
+    print(f"events: {path}")
+    print(f"local steps committed: {[e['step'] for e in local]}")
+    print(f"PFS steps written:     {[e['step'] for e in pfs]}")
+    print(f"failed saves:          {len(by('save_failed'))}")
+    for r in by("recovery"):
+        print(f"recovered step {r['step']} from the {r['tier']} tier in {r['seconds']:.2f}s "
+              f"(bytes read: local {r['bytes_local']}, pfs {r['bytes_pfs']}); "
+              f"skipped {[(t, s) for t, s, _ in r['skipped']] or 'nothing'}")
+    rows = []
+    med = lambda xs, f=".4f": format(statistics.median(xs), f) if xs else "-"  # noqa: E731
+    rows.append(["local", med([e["delta_s"] for e in stages]),
+                 med([e["background_write_s"] for e in local]), med([e["bytes"] for e in local], ".0f")])
+    rows.append(["pfs", "0 (drained from local)",
+                 med([e["background_write_s"] for e in pfs]), med([e["bytes"] for e in pfs], ".0f")])
+    _print_table(["tier", "median delta_s", "median background_write_s", "median bytes/rank"], rows)
+    return 0
+
+
 # -- registry ---------------------------------------------------------------
 
 # name -> (help, add_arguments, run). Add new subcommands here.
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "plan": ("Young checkpoint-interval table for given checkpoint costs", _plan_args, cmd_plan),
     "simulate": ("replay a failure trace through checkpoint policies", _simulate_args, cmd_simulate),
+    "summary": ("what the plugin did in a run: saves, recoveries, delta per tier", _summary_args, cmd_summary),
 }
 
 
