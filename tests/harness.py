@@ -32,6 +32,28 @@ def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nn
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_nodes(workdir: Path, *overrides: str, nnodes: int = 2, nproc: int = 2,
+                   fault: str = "", loss_log: str = "losses.jsonl", timeout: int = 300) -> list:
+    """`nnodes` torchrun agents on this machine (a c10d rendezvous on 127.0.0.1),
+    each node with its own local folder; returns each agent's finished process."""
+    import concurrent.futures as cf
+
+    port = free_port()
+    with cf.ThreadPoolExecutor(nnodes) as pool:
+        futs = [pool.submit(torchrun, workdir, *overrides, nproc=nproc, fault=fault, nnodes=nnodes,
+                            node_rank=n, port=port, timeout=timeout, loss_log=loss_log)
+                for n in range(nnodes)]
+        return [f.result() for f in futs]
+
+
 def events(path: Path, kind: str | None = None) -> list[dict]:
     out = []
     if path.exists():

@@ -70,9 +70,9 @@ def _write(tier, step, state):
 def test_local_tier_commit_verify_and_detect_flipped_byte(tmp_path):
     tier = LocalTier(str(tmp_path), rank=0, world_size=1, first_on_node=True, keep_latest_k=2)
     _write(tier, 5, _state())
-    assert tier.candidates({"m": 1}) == []  # not committed yet
+    assert tier.held_parts({"m": 1}) == {}  # not committed yet
     tier.commit(5, {})
-    assert tier.candidates({"m": 1}) == [5] and tier.candidates({"m": 2}) == []
+    assert tier.held_parts({"m": 1}) == {5: [0]} and tier.held_parts({"m": 2}) == {}
     layout_bytes, data, n = tier.read_part(5)
     assert n == os.path.getsize(tier._part(5, "data")) + len(layout_bytes)
     path = tier._part(5, "data")
@@ -91,6 +91,23 @@ def test_resaving_a_step_drops_the_old_commit_first(tmp_path):
     assert not os.path.exists(os.path.join(tier.step_dir(5), COMMIT))
 
 
+def test_replica_is_stored_under_its_source_rank_and_purged_by_its_holder(tmp_path):
+    src = LocalTier(str(tmp_path / "a"), rank=2, world_size=4, first_on_node=True, keep_latest_k=2)
+    layout, data = _stage(_state())
+    manifest = src.write_part(6, layout.to_bytes(), data.numpy(), {"layout_tag": {"m": 1}})
+    holder = LocalTier(str(tmp_path / "b"), rank=0, world_size=4, first_on_node=True, keep_latest_k=2)
+    holder.write_replica(6, 2, *src.read_raw(6))
+    assert holder.read_raw(6, 2)[0] == manifest
+    holder.commit(6, {})
+    assert holder.held_parts({"m": 1}) == {6: [2]}
+    assert holder.read_part(6, 2)[2] == src.read_part(6)[2]
+    for s in (8, 10):
+        holder.write_replica(s, 2, *src.read_raw(6))
+        holder.commit(s, {})
+    holder.purge(protected=set(), held=[2])
+    assert not (tmp_path / "b" / "step-6").exists()
+
+
 def test_purge_keeps_newest_k_protected_and_in_flight(tmp_path):
     tier = LocalTier(str(tmp_path), 0, 1, True, 2)
     for s in (1, 2, 3, 4):
@@ -101,8 +118,34 @@ def test_purge_keeps_newest_k_protected_and_in_flight(tmp_path):
     assert gone == [2] and tier.steps() == [1, 3, 4, 5]
 
 
-def test_recovery_order_newest_common_local_first():
-    reports = [[5, 10, 15], [5, 10]]
+def test_recovery_order_newest_covered_local_first():
+    # two nodes of one rank each: node 0 has its own parts of 5, 10, 15; node 1 lost 15
+    reports = [{5: [0], 10: [0], 15: [0]}, {5: [1], 10: [1]}]
     assert recovery.ordered_candidates(reports, [10, 20]) == [
         ("pfs", 20), ("local", 10), ("pfs", 10), ("local", 5)]
-    assert recovery.incomplete_local_steps(reports) == {15: [1]}
+    assert recovery.missing_parts(reports) == {15: [1]}
+
+
+def test_pull_plan_uses_replicas_on_other_nodes():
+    # 2 nodes x 2 ranks, factor 1: node 1 (ranks 2, 3) was wiped; node 0 holds copies
+    node0 = {6: [0, 1, 2, 3]}
+    reports = [node0, node0, {}, {}]
+    assert recovery.pull_plan(reports, 6) == [(0, 2), (0, 3)]
+    assert recovery.pull_plan([{6: [0, 1]}, {6: [0, 1]}, {}, {}], 6) is None
+    assert recovery.ordered_candidates(reports, []) == [("local", 6)]
+
+
+def test_placement_by_failure_domain():
+    from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
+
+    hosts = ("a", "a", "b", "b")
+    p = ReplicaPlacement(4, 1, 2, hosts)
+    assert [p.peers(r) for r in range(4)] == [[2], [3], [0], [1]]
+    assert [p.sources(r) for r in range(4)] == [[2], [3], [0], [1]]
+    with pytest.raises(PlacementError, match="replication_jump = 1"):
+        ReplicaPlacement(4, 1, 1, hosts)  # rank 0's copy would stay on host a
+    with pytest.raises(PlacementError, match="needs 2 failure domains"):
+        ReplicaPlacement(2, 1, 1, ("a", "a"))
+    with pytest.raises(PlacementError, match="needs 3 failure domains"):
+        ReplicaPlacement(4, 2, 2, hosts)
+    assert ReplicaPlacement(6, 2, 2, ("a", "a", "b", "b", "c", "c")).peers(5) == [1, 3]

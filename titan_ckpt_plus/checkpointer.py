@@ -15,6 +15,7 @@ goes on and the older checkpoints stay.
 
 import os
 import queue
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt_plus import faults, recovery, staging
+from titan_ckpt_plus.placement import ReplicaPlacement
+from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
@@ -46,6 +49,7 @@ class TierSettings:
     layout_tag: dict = field(default_factory=dict)
     pin: bool = False
     overlap_staging: bool = True
+    replication_backend: str = "gloo"
 
 
 @dataclass
@@ -54,6 +58,7 @@ class SaveStats:
     failed_saves: int = 0
     drains: int = 0
     failed_drains: int = 0
+    failed_replicas: int = 0
     last_committed: int = -1
     last_drained: int = -1
     deltas: list = field(default_factory=list)
@@ -76,12 +81,14 @@ class Recovery:
     tier: str | None  # "local", "pfs" or None (nothing usable)
     step: int = -1
     state: Any = None  # local: the saved state, tensors as views of the read buffer
-    bytes_read: dict = field(default_factory=lambda: {"local": 0, "pfs": 0})
+    bytes_read: dict = field(default_factory=lambda: {"local": 0, "peer": 0, "pfs": 0})
+    bytes_total: dict = field(default_factory=dict)  # summed over ranks
     skipped: list = field(default_factory=list)  # (tier, step, reason)
 
 
 class TieredCheckpointer:
-    def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog) -> None:
+    def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog,
+                 placement: ReplicaPlacement | None = None) -> None:
         self.s = s
         self.capture = capture
         self.events = events
@@ -102,6 +109,11 @@ class TieredCheckpointer:
         # interleave with each other or with the training group's.
         self.commit_pg = dist.new_group(backend="gloo")
         self.drain_pg = dist.new_group(backend="gloo")
+        self.placement = placement if placement and placement.factor > 0 else None
+        if self.placement is not None:
+            nccl = s.replication_backend == "nccl"
+            self.wire = Wire(dist.new_group(backend=s.replication_backend),
+                             device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
         self._write_q: queue.Queue = queue.Queue()
         self._drain_q: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._writer_loop, name="ckpt-local-writer", daemon=True)
@@ -185,42 +197,72 @@ class TieredCheckpointer:
         self._drainer.join()
 
     def recover(self) -> Recovery:
-        """Collective: agree on the newest checkpoint every rank can load, verify it,
-        and return it (a local state already read and checked, or a PFS step)."""
+        """Collective: agree on the newest checkpoint every rank can load, fetch
+        missing local parts from the nodes holding replicas, verify, and return it
+        (a local state already read and checked, or a PFS step to dcp.load)."""
         rec = Recovery(None)
-        mine = self.local.candidates(self.s.layout_tag)
         reports: list = [None] * self.s.world_size
-        dist.all_gather_object(reports, mine, group=self.commit_pg)
-        for s, lacking in recovery.incomplete_local_steps(reports).items():
-            rec.skipped.append(("local", s, f"no committed matching part on ranks {lacking[:8]}"))
+        dist.all_gather_object(reports, self.local.held_parts(self.s.layout_tag), group=self.commit_pg)
+        for step, ranks in recovery.missing_parts(reports).items():
+            rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         for tier, step in recovery.ordered_candidates(reports, self.pfs.steps()):
             if tier == "local":
-                why = ""
-                try:
-                    layout_bytes, data, n = self.local.read_part(step)
-                    rec.bytes_read["local"] += n
-                    layout = staging.StateLayout.from_bytes(layout_bytes)
-                    buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-                    state = staging.rebuild(layout, buf)
-                except Exception as e:
-                    why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
+                state, why = self._fetch_local(step, recovery.pull_plan(reports, step), rec)
                 why = agree(why, self.commit_pg)
                 if not why:
                     rec.tier, rec.step, rec.state = tier, step, state
-                    return rec
+                    break
             else:
                 ok, why = self.pfs.verify(step, self.commit_pg)
                 if ok:
                     rec.tier, rec.step = tier, step
-                    return rec
+                    break
             rec.skipped.append((tier, step, why))
+        totals = torch.tensor([rec.bytes_read[k] for k in ("local", "peer")], dtype=torch.int64)
+        dist.all_reduce(totals, group=self.commit_pg)
+        rec.bytes_total = {"local": int(totals[0]), "peer": int(totals[1])}
         return rec
+
+    def _fetch_local(self, step: int, plan: list, rec: Recovery):
+        """This rank's part of `step`: from its node folder, or sent by a holder.
+        Every rank walks `plan` in the same order, so the transfers pair up."""
+        me, part, why = self.s.rank, None, ""
+        wire = Wire(self.commit_pg)
+        limit = shutil.disk_usage(self.local.root).free + (1 << 30)
+        for holder, receiver in plan:
+            if me == holder:
+                try:
+                    out = Part(*self.local.read_raw(step, receiver))
+                except OSError:
+                    out = None
+                wire.exchange(receiver, out, None, limit)
+            elif me == receiver:
+                part, why = wire.exchange(None, None, holder, limit)
+                if part is not None:
+                    rec.bytes_read["peer"] += part.nbytes()
+                    why = f"from rank {holder}: {why}" if why else ""
+        try:
+            if why:
+                return None, why
+            if part is not None:
+                check_part(part, me, step, self.s.world_size)
+                layout_bytes, data = part.layout, part.data
+            else:
+                layout_bytes, data, n = self.local.read_part(step)
+                rec.bytes_read["local"] += n
+            layout = staging.StateLayout.from_bytes(layout_bytes)
+            buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+            return staging.rebuild(layout, buf), ""
+        except Exception as e:
+            return None, str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
 
     # ---- background side ------------------------------------------------------
 
     def _failed(self, tier: str, step: int, why: str) -> None:
         if tier == "pfs":
             self.stats.failed_drains += 1
+        elif tier == "replica":
+            self.stats.failed_replicas += 1
         else:
             self.stats.failed_saves += 1
         log.error(f"[titan_ckpt_plus] {tier} save of step {step} failed ({why}); "
@@ -238,20 +280,24 @@ class TieredCheckpointer:
     def _write(self, job: _Job) -> None:
         job.staged.wait()
         t0 = time.monotonic()
-        nbytes = 0
+        nbytes, own = 0, None
         if job.ok:
             try:
                 meta = {"fingerprint": job.layout.fingerprint(), "layout_tag": self.s.layout_tag}
-                assert job.layout is not None
                 data = self.buffer.data[: job.layout.total_bytes].numpy()
-                nbytes = self.local.write_part(
-                    job.step, job.layout.to_bytes(), data, meta,
+                layout_bytes = job.layout.to_bytes()
+                manifest = self.local.write_part(
+                    job.step, layout_bytes, data, meta,
                     on_chunk=lambda _n: faults.maybe_kill("kill_during_local_write", job.step))
+                own = Part(manifest, layout_bytes, data)
+                nbytes = own.nbytes()
             except Exception as e:
                 job.ok = False
                 self._failed("local", job.step, repr(e))
-        self._buffer_free.set()
         write_s = time.monotonic() - t0
+        if self.placement is not None:
+            job.ok = self._replicate(job, own) and job.ok
+        self._buffer_free.set()
         # Every rank reaches this all-reduce, failed or not, so the groups stay in step.
         if not _all_true(job.ok, self.commit_pg):
             if job.ok:
@@ -271,9 +317,34 @@ class TieredCheckpointer:
             self._draining.add(job.step)
             self._drain_q.put(job)
         try:
-            self.local.purge(protected=set(self._draining))
+            held = self.placement.sources(self.s.rank) if self.placement else []
+            self.local.purge(protected=set(self._draining), held=held)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
+
+    def _replicate(self, job: _Job, own: Part | None) -> bool:
+        """Send this rank's part to its peers and store its sources' parts, verified
+        and fsync'd, before the commit vote: a committed step never relies on a
+        half-sent copy. Runs on every rank, failed or not, to keep the group in step."""
+        t0, ok, received = time.monotonic(), True, 0
+        limit = 4 * (own.nbytes() if own else 0) + (64 << 20)
+        peers, sources = self.placement.peers(self.s.rank), self.placement.sources(self.s.rank)
+        for peer, src in zip(peers, sources):
+            part, why = self.wire.exchange(peer, own, src, limit)
+            try:
+                if part is None:
+                    raise CorruptCheckpoint(why)
+                check_part(part, src, job.step, self.s.world_size)
+                self.local.write_replica(job.step, src, part.manifest, part.layout, part.data)
+                received += part.nbytes()
+            except Exception as e:
+                ok = False
+                self._failed("replica", job.step, f"copy of rank {src}: {e}")
+        seconds = time.monotonic() - t0
+        sent = (own.nbytes() if own else 0) * len(peers)
+        self.events.record("replication", step=job.step, seconds=seconds, bytes_sent=sent,
+                           bytes_received=received, ok=ok)
+        return ok
 
     def _drain_loop(self) -> None:
         while (job := self._drain_q.get()) is not None:

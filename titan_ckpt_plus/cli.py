@@ -167,6 +167,111 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- ls / verify / report (reading logic in inspect.py, plots in report.py) ---
+
+
+def _ls_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = """\
+List every checkpoint step this host can see, per tier and node folder:
+committed or not, state, parts, size, age, and replicas (parts held for ranks
+of another node; 0 until replication lands).
+
+Local roots come from DUMP_FOLDER/titan_ckpt_plus/local_roots.json (written by
+the plugin), any local_root(s) field in events.jsonl, and --local-root. PFS
+folders are the dump folder's children that hold step-N folders. A local step
+without COMMIT.json, or a PFS step without .metadata, is listed as torn."""
+    p.epilog = """\
+examples:
+  titan-ckpt ls outputs/run1
+  titan-ckpt ls outputs/run1 --local-root /local_nvme/ckpt/0 --local-root /mnt/n1/ckpt/1"""
+    p.add_argument("dump_folder", help="the job's [job] dump_folder")
+    p.add_argument("--local-root", action="append", default=[], metavar="PATH",
+                   help="a node-local checkpoint folder to list too (repeatable)")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """Steps per tier and node folder, committed or not."""
+    from .inspect import list_steps, ls_table
+
+    steps, notes = list_steps(args.dump_folder, args.local_root)
+    print("\n".join([f"# {n}" for n in notes] + (ls_table(steps) if steps else ["no steps found"])))
+    return 0 if steps else 1
+
+
+def _verify_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = """\
+Check every checksum under PATH, which may be a local step folder, a local
+root, a PFS step folder, a PFS folder, or a dump folder (its PFS folders and
+the local roots in titan_ckpt_plus/local_roots.json, plus --local-root).
+
+Local parts are checked against their rank-N.json manifests (size, CRC-32 of
+.data and .layout); PFS steps against titan_ckpt_plus.json. A PFS step without
+it (written by stock torchtitan) is "unverified", a part of a step without
+COMMIT.json that never got its manifest is "torn"; neither is a failure.
+Prints one line per part (local) or step (PFS) checked, one per bad file.
+
+exit status: 0 all checked files pass, 1 a file failed (each one is named),
+2 PATH missing or nothing to check."""
+    p.epilog = """\
+examples:
+  titan-ckpt verify outputs/run1
+  titan-ckpt verify /local_nvme/ckpt/0/step-1200
+  titan-ckpt verify outputs/run1/checkpoint/step-1200 || echo corrupt"""
+    p.add_argument("path", help="step folder, local root, PFS folder or dump folder")
+    p.add_argument("--local-root", action="append", default=[], metavar="PATH",
+                   help="with a dump folder: a node-local folder to check too (repeatable)")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Checksums of every part and PFS step under a path."""
+    from .inspect import verify_path
+
+    try:
+        checks, notes = verify_path(args.path, args.local_root)
+    except FileNotFoundError as e:
+        print(f"error: {e}")
+        return 2
+    for line in [f"# {n}" for n in notes] + [c.line() for c in checks]:
+        print(line)
+    failed = sum(c.failed for c in checks)
+    counts = {s: sum(c.status == s for c in checks) for s in ("ok", "FAILED", "unverified", "torn")}
+    print(f"{len(checks)} checked: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    return 1 if failed else (0 if checks else 2)
+
+
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = """\
+Render PNG plots from RUN_DIR/titan_ckpt_plus/events.jsonl (no wandb needed):
+  delta.png             training blocked per save (s), per tier, over steps
+  background_write.png  background write time (s) per tier, over steps
+  interval.png          interval per tier (steps, tau in s) and MTBF per failure
+                        class (h) over wall time; skipped, with a note, when the
+                        run logged no "interval" records
+Recoveries are dashed vertical lines, failed saves crosses."""
+    p.epilog = """\
+examples:
+  titan-ckpt report outputs/run1                 # -> outputs/run1/titan_ckpt_plus/report/
+  titan-ckpt report outputs/run1 --out /tmp/ckpt-report"""
+    p.add_argument("run_dir", help="the job's dump_folder (or its events.jsonl)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where to write the PNGs (default: RUN_DIR/titan_ckpt_plus/report)")
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """PNG plots of delta, write time, interval and MTBF."""
+    from .report import render
+
+    rep = render(args.run_dir, args.out)
+    for n in rep.notes:
+        print(f"note: {n}")
+    for f in rep.files:
+        print(f"wrote {f}")
+    return 0 if rep.files else 1
+
+
 # -- registry ---------------------------------------------------------------
 
 # name -> (help, add_arguments, run). Add new subcommands here.
@@ -174,6 +279,9 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "plan": ("Young checkpoint-interval table for given checkpoint costs", _plan_args, cmd_plan),
     "simulate": ("replay a failure trace through checkpoint policies", _simulate_args, cmd_simulate),
     "summary": ("what the plugin did in a run: saves, recoveries, delta per tier", _summary_args, cmd_summary),
+    "ls": ("list checkpoint steps per tier and node folder: committed, size, age", _ls_args, cmd_ls),
+    "verify": ("check every checksum under a step, tier or dump folder; non-zero on failure", _verify_args, cmd_verify),
+    "report": ("PNG plots of delta, write time, interval and MTBF from the events file", _report_args, cmd_report),
 }
 
 

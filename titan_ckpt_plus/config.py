@@ -28,6 +28,22 @@ class Checkpoint:
     local_keep_latest_k: int = 3
     """Committed local steps kept per node; at least 2, as the newest may be in use."""
 
+    replication_factor: int = 0
+    """How many other nodes hold a copy of each rank's local part (0 = off). A local
+    step commits only when its copies are durable too."""
+
+    replication_jump: int = 0
+    """Rank distance to the first copy; 0 = the ranks per node (LOCAL_WORLD_SIZE), so
+    copies land on other nodes."""
+
+    replication_backend: str = "gloo"
+    """Process-group backend of the replication transfers: "gloo" or "nccl" (GPUs)."""
+
+    dataloader_resume: str = "global_samples"
+    """How the data position is saved: "global_samples" (one global sequence count,
+    the same on every rank: resumable at any DP degree) or "per_rank" (torchtitan's
+    per-rank dataloader state). See docs/data_resumption.md."""
+
 
 @dataclass
 class JobConfig:
@@ -99,6 +115,18 @@ def validate(ckpt, dump_folder: str) -> None:
             "[checkpoint] keep_latest_k = 1 is invalid: the newest PFS step may still be "
             "written. Fix: set keep_latest_k >= 2, or 0 to keep all."
         )
+    if ckpt.replication_factor < 0:
+        raise ConfigError(
+            f"[checkpoint] replication_factor = {ckpt.replication_factor} is invalid. "
+            "Fix: 0 (off) or the number of other nodes holding a copy (e.g. 1).")
+    if ckpt.replication_jump < 0:
+        raise ConfigError(
+            f"[checkpoint] replication_jump = {ckpt.replication_jump} is invalid. "
+            "Fix: 0 (the ranks per node) or a positive rank distance.")
+    if ckpt.replication_backend not in ("gloo", "nccl"):
+        raise ConfigError(
+            f"[checkpoint] replication_backend = {ckpt.replication_backend!r} is unknown. "
+            'Fix: "gloo", or "nccl" on GPUs.')
     local = resolve_local_folder(ckpt.local_folder)
     pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))
     if _is_inside(local, pfs) or _is_inside(pfs, local):
@@ -108,3 +136,7 @@ def validate(ckpt, dump_folder: str) -> None:
             "their retention would delete each other's steps. Fix: point local_folder "
             "at node-local storage outside the PFS folder."
         )
+    if getattr(ckpt, "dataloader_resume", "global_samples") not in ("global_samples", "per_rank"):
+        raise ConfigError(
+            f"[checkpoint] dataloader_resume = {ckpt.dataloader_resume!r} is unknown. "
+            'Fix: "global_samples" (any DP degree) or "per_rank" (torchtitan\'s way).')

@@ -1,25 +1,42 @@
-"""Which checkpoint to try, in which order (pure; no torch).
+"""Which checkpoint to try, in which order, and who sends which part (pure; no torch).
 
-Every rank reports the local steps it can serve; all ranks see the same PFS. A local
-step is usable only if every rank has its part, so the local candidates are the
-intersection of the reports. Candidates are tried newest first, local before PFS at
-the same step (it is faster and already verified by the node that wrote it); a
-candidate that fails its checks on any rank is skipped and the next one is tried.
+Every rank reports, per committed local step, the ranks whose parts its node folder
+holds (its own node's ranks, plus the replicas it received). A local step is usable
+when every rank's part is held somewhere; a rank whose node lacks its part pulls it
+from the first holder. Candidates are tried newest first, local before PFS at the
+same step (faster, and it never touches the PFS); one that fails its checks on any
+rank is skipped and the next is tried.
 """
 
 
-def ordered_candidates(local_reports: list[list[int]], pfs_steps: list[int]) -> list[tuple[str, int]]:
-    common = set(local_reports[0]).intersection(*map(set, local_reports[1:])) if local_reports else set()
-    cands = [("local", s) for s in common] + [("pfs", s) for s in pfs_steps]
-    return sorted(cands, key=lambda c: (c[1], c[0] == "local"), reverse=True)
+def pull_plan(reports: list[dict], step: int) -> list[tuple[int, int]] | None:
+    """(holder, receiver) for every rank whose node lacks its own part of `step`;
+    None if some part is held nowhere. `reports[r]`: step -> ranks held by r's node."""
+    plan = []
+    for r in range(len(reports)):
+        if r in reports[r].get(step, ()):
+            continue
+        holders = [h for h in range(len(reports)) if r in reports[h].get(step, ())]
+        if not holders:
+            return None
+        plan.append((holders[0], r))
+    return plan
 
 
-def incomplete_local_steps(local_reports: list[list[int]]) -> dict[int, list[int]]:
-    """Local steps some rank has but others lack: step -> ranks lacking it (for the log)."""
-    everything = set().union(*map(set, local_reports)) if local_reports else set()
+def missing_parts(reports: list[dict]) -> dict[int, list[int]]:
+    """step -> ranks whose part is held nowhere (for the log), newest first."""
+    world = len(reports)
+    steps = set().union(*(set(rep) for rep in reports)) if reports else set()
     out = {}
-    for s in sorted(everything, reverse=True):
-        lacking = [r for r, rep in enumerate(local_reports) if s not in rep]
-        if lacking:
-            out[s] = lacking
+    for s in sorted(steps, reverse=True):
+        held = set().union(*(set(rep.get(s, ())) for rep in reports))
+        if len(held) < world:
+            out[s] = sorted(set(range(world)) - held)
     return out
+
+
+def ordered_candidates(reports: list[dict], pfs_steps: list[int]) -> list[tuple[str, int]]:
+    steps = set().union(*(set(rep) for rep in reports)) if reports else set()
+    local = [s for s in steps if pull_plan(reports, s) is not None]
+    cands = [("local", s) for s in local] + [("pfs", s) for s in pfs_steps]
+    return sorted(cands, key=lambda c: (c[1], c[0] == "local"), reverse=True)

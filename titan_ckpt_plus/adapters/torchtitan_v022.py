@@ -10,6 +10,8 @@ and for any other trainer that builds a CheckpointManager.
 import hashlib
 import json
 import os
+import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,9 +20,12 @@ from torchtitan.components import checkpoint as tt_checkpoint
 from torchtitan.tools.logging import logger
 
 from titan_ckpt_plus import config, cpu_fallback, faults, flavors
+from titan_ckpt_plus.adapters import torchtitan_v022_data
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
 from titan_ckpt_plus.staging import copy_into
 from titan_ckpt_plus.telemetry import EventLog
+from titan_ckpt_plus.tiers.files import atomic_write_json
 
 _StockManager = tt_checkpoint.CheckpointManager
 
@@ -57,13 +62,43 @@ class TieredCheckpointManager(_StockManager):
             first_on_node=int(os.environ.get("LOCAL_RANK", "0")) == 0,
             layout_tag=self._layout_tag(world),
             pin=torch.cuda.is_available(),
+            replication_backend=checkpoint_config.replication_backend,
         )
         events_path = os.path.join(base_folder, "titan_ckpt_plus", "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
-        self.tiered = TieredCheckpointer(settings, self._capture, self.events)
+        placement = self._placement(checkpoint_config, world)
+        self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement)
+        self._record_local_roots(base_folder, settings.local_root)
         logger.info(f"[titan_ckpt_plus] tiers on: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
                     f"{settings.pfs_interval} steps")
+
+    @staticmethod
+    def _placement(ckpt, world: int) -> ReplicaPlacement | None:
+        """Replica placement checked against every rank's failure domain (host and
+        torchrun node rank, from the launcher), before any training step."""
+        if ckpt.replication_factor == 0:
+            return None
+        if ckpt.replication_backend == "nccl" and not torch.cuda.is_available():
+            raise config.ConfigError(
+                '[checkpoint] replication_backend = "nccl" needs GPUs. Fix: use "gloo".')
+        domains: list = [None] * world
+        dist.all_gather_object(domains, f"{socket.gethostname()}/node{config.node_rank()}")
+        jump = ckpt.replication_jump or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        try:
+            return ReplicaPlacement(world, ckpt.replication_factor, jump, tuple(domains))
+        except PlacementError as e:
+            raise config.ConfigError(str(e)) from None
+
+    def _record_local_roots(self, base_folder: str, mine: str) -> None:
+        """Every node's local folder, in one file on the PFS, so `titan-ckpt ls` can
+        find a run's local steps from its dump folder alone."""
+        roots: list = [None] * dist.get_world_size()
+        dist.all_gather_object(roots, mine, group=self.tiered.commit_pg)
+        if dist.get_rank() == 0:
+            path = os.path.join(base_folder, "titan_ckpt_plus", "local_roots.json")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            atomic_write_json(path, sorted(set(roots)))
 
     # ---- what is saved --------------------------------------------------------
 
@@ -105,7 +140,7 @@ class TieredCheckpointManager(_StockManager):
     def load(self, step: int = -1) -> bool:
         if self.tiered is None or step != -1:
             return super().load(step)
-        t0 = __import__("time").monotonic()
+        t0 = time.monotonic()
         rec = self.tiered.recover()
         for tier, s, why in rec.skipped:
             logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
@@ -121,12 +156,18 @@ class TieredCheckpointManager(_StockManager):
         else:
             states = self._states_to_load(model_only=rec.step == 0)
             rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, states)
-        seconds = __import__("time").monotonic() - t0
-        logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {rec.tier} tier in "
-                    f"{seconds:.2f}s (bytes read: local {rec.bytes_read['local']}, "
-                    f"pfs {rec.bytes_read['pfs']})")
-        self.events.record("recovery", step=rec.step, tier=rec.tier, seconds=seconds,
-                           bytes_local=rec.bytes_read["local"], bytes_pfs=rec.bytes_read["pfs"],
+        pfs_total = torch.tensor([rec.bytes_read["pfs"]], dtype=torch.int64)
+        dist.all_reduce(pfs_total, group=self.tiered.commit_pg)
+        total = dict(rec.bytes_total, pfs=int(pfs_total.item()))
+        seconds = time.monotonic() - t0
+        source = "local" if rec.tier == "local" and not total["peer"] else rec.tier
+        if rec.tier == "local" and total["peer"]:
+            source = "local+peer"
+        logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
+                    f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
+                    f"from peers {total['peer']}, pfs {total['pfs']})")
+        self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
+                           bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
                            skipped=[list(x) for x in rec.skipped])
         return True
 
@@ -192,3 +233,4 @@ def install() -> None:
         return object.__new__(cls)
 
     _StockManager.__new__ = __new__
+    torchtitan_v022_data.install()  # dataloader resumption by global sample count

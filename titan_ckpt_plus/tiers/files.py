@@ -33,8 +33,12 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
 def atomic_write_json(path: str, obj) -> None:
-    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+    atomic_write_bytes(path, json_bytes(obj))
 
 
 def read_json(path: str):

@@ -40,25 +40,34 @@ class LocalTier:
         return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
 
     def write_part(self, step: int, layout_bytes: bytes, data, meta: dict,
-                   on_chunk=None) -> int:
-        """Write this rank's part durably; returns bytes written. Raises on I/O error."""
-        d = self.step_dir(step)
-        os.makedirs(d, exist_ok=True)
-        self._drop_stale(step)
+                   on_chunk=None) -> bytes:
+        """Write this rank's part durably; returns its manifest's bytes (what a
+        replica receiver stores as is). Raises on I/O error."""
+        os.makedirs(self.step_dir(step), exist_ok=True)
+        self._drop_stale(step, [self.rank])
         manifest = dict(meta, step=step, rank=self.rank, world_size=self.world_size,
                         written_at=time.time())
         manifest["files"] = {
             "data": files.write_durable(self._part(step, "data"), data, on_chunk),
             "layout": files.write_durable(self._part(step, "layout"), layout_bytes),
         }
-        files.atomic_write_json(self._part(step, "json"), manifest)
-        return manifest["files"]["data"]["size"] + manifest["files"]["layout"]["size"]
+        raw = files.json_bytes(manifest)
+        files.atomic_write_bytes(self._part(step, "json"), raw)
+        return raw
 
-    def _drop_stale(self, step: int) -> None:
+    def write_replica(self, step: int, rank: int, manifest: bytes, layout: bytes, data) -> None:
+        """Store a verified copy of another rank's part under that rank's file names."""
+        os.makedirs(self.step_dir(step), exist_ok=True)
+        self._drop_stale(step, [rank])
+        files.write_durable(self._part(step, "data", rank), data)
+        files.write_durable(self._part(step, "layout", rank), layout)
+        files.atomic_write_bytes(self._part(step, "json", rank), manifest)
+
+    def _drop_stale(self, step: int, ranks: list[int]) -> None:
         """A step number saved again (after a restart from an older step) must not
-        keep the previous incarnation's commit or manifest."""
-        stale = [self._part(step, "json")]
-        if self.first_on_node:
+        keep the previous incarnation's commit or manifests."""
+        stale = [self._part(step, "json", r) for r in ranks]
+        if self.first_on_node and self.rank in ranks:
             stale.append(os.path.join(self.step_dir(step), COMMIT))
         for p in stale:
             if os.path.exists(p):
@@ -84,36 +93,64 @@ class LocalTier:
         except (OSError, ValueError):
             return None
 
-    def candidates(self, layout_tag: dict) -> list[int]:
-        """Committed steps whose part for this rank claims to match the job's world
-        size and parallel layout (checksums are checked later, when one is chosen)."""
-        out = []
+    def held_parts(self, layout_tag: dict) -> dict[int, list[int]]:
+        """Committed step -> ranks whose parts (own node's or replicas) this node
+        folder holds with a manifest matching the job's world size and parallel
+        layout. Checksums are checked later, when a step is chosen."""
+        out = {}
         for s in self.committed_steps():
-            m = self.manifest(s)
-            if m and m.get("world_size") == self.world_size and m.get("layout_tag") == layout_tag:
-                out.append(s)
+            ranks = []
+            for name in os.listdir(self.step_dir(s)):
+                if name.startswith("rank-") and name.endswith(".json") and name[5:-5].isdigit():
+                    m = self.manifest(s, int(name[5:-5]))
+                    if m and m.get("world_size") == self.world_size and m.get("layout_tag") == layout_tag:
+                        ranks.append(int(name[5:-5]))
+            if ranks:
+                out[s] = sorted(ranks)
         return out
 
-    def read_part(self, step: int) -> tuple[bytes, bytearray, int]:
-        """(layout bytes, data, bytes read), both verified against the manifest."""
-        m = self.manifest(step)
-        if m is None:
-            raise files.CorruptCheckpoint(f"{self._part(step, 'json')}: missing or unreadable")
-        with open(self._part(step, "layout"), "rb") as f:
-            layout = f.read()
-        files.check_bytes(self._part(step, "layout"), layout, m["files"]["layout"])
-        path = self._part(step, "data")
-        size = os.path.getsize(path)
-        data = bytearray(size)
-        with open(path, "rb") as f:
-            f.readinto(data)
-        files.check_bytes(path, data, m["files"]["data"])
-        return layout, data, len(layout) + size
+    def read_raw(self, step: int, rank: int | None = None):
+        """The part's three files as stored (manifest, layout, data), unverified."""
+        out = []
+        for suffix in ("json", "layout", "data"):
+            path = self._part(step, suffix, rank)
+            data = bytearray(os.path.getsize(path))
+            with open(path, "rb") as f:
+                f.readinto(data)
+            out.append(data)
+        return bytes(out[0]), bytes(out[1]), out[2]
 
-    def purge(self, protected: set[int]) -> list[int]:
+    def read_part(self, step: int, rank: int | None = None) -> tuple[bytes, bytearray, int]:
+        """(layout bytes, data, bytes read), both verified against the manifest."""
+        m = self.manifest(step, rank)
+        if m is None:
+            raise files.CorruptCheckpoint(f"{self._part(step, 'json', rank)}: missing or unreadable")
+        _, layout, data = self.read_raw(step, rank)
+        files.check_bytes(self._part(step, "layout", rank), layout, m["files"]["layout"])
+        files.check_bytes(self._part(step, "data", rank), data, m["files"]["data"])
+        return layout, data, len(layout) + len(data)
+
+    def _remove_step(self, s: int, held: list[int]) -> None:
+        d = self.step_dir(s)
+        if self.first_on_node and os.path.exists(os.path.join(d, COMMIT)):
+            os.remove(os.path.join(d, COMMIT))
+        for r in [self.rank, *held]:
+            for suffix in ("json", "layout", "data"):
+                p = self._part(s, suffix, r)
+                if os.path.exists(p):
+                    os.remove(p)
+        try:
+            os.rmdir(d)
+        except OSError:
+            # leftovers of a torn write: remove once no rank's manifest remains
+            if not any(n.startswith("rank-") and n.endswith(".json") for n in os.listdir(d)):
+                shutil.rmtree(d, ignore_errors=True)
+
+    def purge(self, protected: set[int], held: list[int] | None = None) -> list[int]:
         """Keep the newest `keep_latest_k` committed steps, anything newer than the
-        newest commit (being written) and `protected` (being drained); delete this
-        rank's files of every other step. Returns the steps touched."""
+        newest commit (being written) and `protected` (being drained); delete the
+        files this rank is responsible for (its own part, and the replicas it received
+        from `held` ranks) of every other step. Returns the steps touched."""
         committed = self.committed_steps()
         if not committed:
             return []
@@ -123,17 +160,9 @@ class LocalTier:
         for s in self.steps():
             if s in keep or s > newest:
                 continue
-            d = self.step_dir(s)
-            if self.first_on_node and os.path.exists(os.path.join(d, COMMIT)):
-                os.remove(os.path.join(d, COMMIT))
-            for suffix in ("json", "layout", "data"):
-                p = self._part(s, suffix)
-                if os.path.exists(p):
-                    os.remove(p)
             try:
-                os.rmdir(d)
-            except OSError:
-                if not any(n.startswith("rank-") and n.endswith(".json") for n in os.listdir(d)):
-                    shutil.rmtree(d, ignore_errors=True)
+                self._remove_step(s, held or [])
+            except FileNotFoundError:
+                pass  # another rank of this node removed it first
             gone.append(s)
         return gone

@@ -1,0 +1,153 @@
+"""Save benchmark: stock torchtitan (async_mode disabled / async) against the plugin's
+local tier, on the debug model and a ~100M-parameter model, 2 CPU ranks, in one run,
+with this machine's limits (memcpy, fsync'd write bandwidth) measured in the same run.
+
+    .venv/bin/python scripts/bench_save.py [--update BENCHMARKS.md]
+
+delta: time the training loop is blocked by a save (stock: torchtitan's own
+"Finished saving ... in X seconds", which includes waiting for the previous async
+save; plugin: save() plus the wait before optimizer.step()). Step time "during
+background work" is the step right after a save; "without" is every other step.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import ckpt_events, events, torchrun  # noqa: E402
+
+MODELS = {
+    # flavor: (seq_len, local_batch, steps, save every)
+    "debugmodel": (128, 2, 16, 3),
+    "100M": (32, 1, 13, 3),
+}
+SECTION = "## Save: local tier vs stock torchtitan"
+
+
+def machine_limits(nbytes: int, folder: Path) -> dict:
+    """memcpy into a reused buffer and fsync'd write bandwidth, on `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copies = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t0)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "bw.bin"
+    writes = []
+    data = memoryview(src.numpy())
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        writes.append(time.perf_counter() - t0)
+        path.unlink()
+    return {"memcpy_s": statistics.median(copies), "write_Bps": nbytes / statistics.median(writes)}
+
+
+def step_times(work: Path, save_steps: set[int]) -> tuple[float, float]:
+    """Median step time right after a save and otherwise (from the loss-log times)."""
+    recs = {r["step"]: r["time"] for r in events(work / "losses.jsonl", "loss")}
+    after, other = [], []
+    for s in sorted(recs):
+        if s - 1 in recs and s > 2:
+            (after if s - 1 in save_steps else other).append(recs[s] - recs[s - 1])
+    return statistics.median(after), statistics.median(other)
+
+
+def run_stock(work: Path, flavor: str, mode: str, common: list[str], every: int, steps: int) -> dict:
+    proc = torchrun(work, *common, "--checkpoint.no-tier-local", f"--checkpoint.async_mode={mode}",
+                    f"--checkpoint.interval={every}", timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    deltas = [float(x) for x in re.findall(r"Finished saving the checkpoint.*?in ([0-9.]+) seconds", proc.stdout)]
+    saves = {s for s in range(1, steps) if s % every == 0}
+    after, other = step_times(work, saves)
+    return {"delta": statistics.median(deltas), "after": after, "other": other}
+
+
+def run_plugin(work: Path, common: list[str], every: int, steps: int) -> dict:
+    proc = torchrun(work, *common, f"--checkpoint.local_interval={every}", "--checkpoint.interval=100000",
+                    timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    stages = [e for e in ckpt_events(work, "stage") if e["step"] < steps]
+    commits = [e for e in ckpt_events(work, "local_commit") if e["step"] < steps]
+    saves = {e["step"] for e in stages}
+    after, other = step_times(work, saves)
+    return {"delta": statistics.median(e["delta_s"] for e in stages),
+            "commit": statistics.median(e["time_to_commit_s"] for e in commits),
+            "bytes": statistics.median(e["bytes"] for e in commits), "after": after, "other": other}
+
+
+def bench(flavor: str, base: Path) -> dict:
+    seq, batch, steps, every = MODELS[flavor]
+    common = [f"--model.flavor={flavor}", f"--training.seq_len={seq}",
+              f"--training.local_batch_size={batch}", f"--training.steps={steps}",
+              "--checkpoint.keep_latest_k=2", "--checkpoint.local_keep_latest_k=2"]
+    out = {"flavor": flavor}
+    for mode in ("disabled", "async"):
+        out[mode] = run_stock(base / f"{flavor}-{mode}", flavor, mode, common, every, steps)
+    out["plugin"] = run_plugin(base / f"{flavor}-plugin", common, every, steps)
+    out["limits"] = machine_limits(int(out["plugin"]["bytes"]), base / "limits")
+    return out
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| model | bytes/rank | stock disabled delta | stock async delta | plugin delta | "
+            "plugin/async (target <= 0.5) | memcpy of the bytes | time to durable commit | "
+            "bytes / fsync'd write bw | commit / (bytes/bw) (target <= 1.5) | step during bg write "
+            "(stock async / plugin) | step otherwise (plugin) |",
+            "|" + "---|" * 12]
+    for r in results:
+        p, a, d, lim = r["plugin"], r["async"], r["disabled"], r["limits"]
+        ideal = p["bytes"] / lim["write_Bps"]
+        rows.append(
+            f"| {r['flavor']} | {p['bytes'] / 2**20:.1f} MiB | {d['delta']:.3f} s | {a['delta']:.3f} s | "
+            f"{p['delta']:.3f} s | {p['delta'] / a['delta']:.2f} {'met' if p['delta'] <= 0.5 * a['delta'] else 'NOT met'} | "
+            f"{lim['memcpy_s']:.3f} s | {p['commit']:.3f} s | {ideal:.3f} s | "
+            f"{p['commit'] / ideal:.2f} {'met' if p['commit'] <= 1.5 * ideal else 'NOT met'} | "
+            f"{a['after']:.3f} / {p['after']:.3f} s | {p['other']:.3f} s |")
+    return "\n".join(rows)
+
+
+def update_section(path: Path, body: str) -> None:
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{SECTION}\n\n{body}\n"
+    if SECTION in text:
+        start = text.index(SECTION)
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + block + (text[nxt + 1:] if nxt != -1 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--update", type=Path, help="write the table into this markdown file")
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="bench_save_", dir=ROOT / "outputs" if (ROOT / "outputs").exists() else None))
+    results = [bench(m, base) for m in args.models.split(",")]
+    body = (f"Command: `.venv/bin/python scripts/bench_save.py --update BENCHMARKS.md` "
+            f"({os.cpu_count()} cores, CPU, gloo, 2 ranks; medians over the saves of one run; "
+            f"local and PFS folders on the same disk).\n\n" + table(results))
+    print(body)
+    if args.update:
+        update_section(args.update, body)
+
+
+if __name__ == "__main__":
+    main()

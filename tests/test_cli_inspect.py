@@ -1,0 +1,256 @@
+"""`titan-ckpt ls / verify / report` on a real run's folders (one tiny torchrun run),
+copies of them with corrupted or torn steps, and the no-torch guarantee."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import ckpt_events, events, flip_byte, torchrun
+from titan_ckpt_plus.cli import COMMANDS, build_parser, main
+from titan_ckpt_plus.report import render
+
+REPO = Path(__file__).resolve().parents[1]
+e2e = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("inspect_run")
+    proc = torchrun(work)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return work
+
+
+def _copy(run: Path, dest: Path) -> Path:
+    """A copy of the run whose local_roots.json points at the copy's local folder."""
+    work = dest / "copy"
+    shutil.copytree(run, work)
+    (work / "dump" / "titan_ckpt_plus" / "local_roots.json").write_text(
+        json.dumps([str(work / "local" / "0")]))
+    return work
+
+
+def _cli(capsys, *argv) -> tuple[int, list[str]]:
+    rc = main([str(a) for a in argv])
+    return rc, capsys.readouterr().out.splitlines()
+
+
+def _ls_rows(lines) -> dict[tuple[str, int], dict]:
+    """(tier, step) -> row as a dict of the header's columns."""
+    body = [line for line in lines if not line.startswith("#")]
+    header = body[0].split()
+    rows = {}
+    for line in body[1:]:
+        cells = line.split()
+        # state may hold spaces: tier folder step committed <state...> parts size unit age replicas
+        row = dict(zip(header[:4], cells[:4]))
+        row.update(state=" ".join(cells[4:-5]), parts=cells[-5], size=" ".join(cells[-4:-2]),
+                   age=cells[-2], replicas=cells[-1])
+        rows[(row["tier"], int(row["step"]))] = row
+    return rows
+
+
+# ---- ls -------------------------------------------------------------------
+
+
+@e2e
+def test_ls_lists_committed_local_and_pfs_steps(run, capsys):
+    rc, lines = _cli(capsys, "ls", run / "dump")
+    assert rc == 0
+    assert f"# local root {run / 'local' / '0'} (from local_roots.json)" in lines
+    rows = _ls_rows(lines)
+    # local_keep_latest_k = 3. A non-first rank may still hold its part of an older,
+    # uncommitted step (its retention ran before the node's COMMIT of the last step).
+    rows = {k: r for k, r in rows.items() if r["committed"] == "yes"}
+    assert sorted(s for t, s in rows if t == "local") == [8, 10, 12]
+    assert sorted(s for t, s in rows if t == "pfs") == [4, 8, 12]
+    for (tier, step), row in rows.items():
+        assert row["committed"] == "yes" and row["parts"] == "2" and row["replicas"] == "0"
+        assert row["folder"] == str(run / "local" / "0" if tier == "local" else run / "dump" / "checkpoint")
+        assert row["size"].endswith("MiB")
+    assert rows[("local", 12)]["state"] == "committed" and rows[("pfs", 4)]["state"] == "complete"
+
+
+@e2e
+def test_ls_finds_local_roots_from_explicit_args_without_the_record(run, tmp_path, capsys):
+    work = _copy(run, tmp_path)
+    (work / "dump" / "titan_ckpt_plus" / "local_roots.json").unlink()
+    rc, lines = _cli(capsys, "ls", work / "dump")
+    assert rc == 0 and any("no local roots known" in line for line in lines)
+    assert {t for t, _ in _ls_rows(lines)} == {"pfs"}
+    rc, lines = _cli(capsys, "ls", work / "dump", "--local-root", work / "local" / "0")
+    assert sorted(s for (t, s), r in _ls_rows(lines).items() if t == "local" and r["committed"] == "yes") == [
+        8, 10, 12]
+
+
+@e2e
+def test_torn_steps_show_as_not_committed(run, tmp_path, capsys):
+    work = _copy(run, tmp_path)
+    (work / "local" / "0" / "step-10" / "COMMIT.json").unlink()
+    (work / "dump" / "checkpoint" / "step-4" / ".metadata").unlink()
+    (work / "dump" / "checkpoint" / "step-4" / "titan_ckpt_plus.json").unlink()
+    rc, lines = _cli(capsys, "ls", work / "dump")
+    rows = _ls_rows(lines)
+    assert (rows[("local", 10)]["committed"], rows[("local", 10)]["state"]) == ("no", "torn (no COMMIT.json)")
+    assert (rows[("pfs", 4)]["committed"], rows[("pfs", 4)]["state"]) == ("no", "torn (no .metadata)")
+    assert rows[("local", 8)]["committed"] == rows[("local", 12)]["committed"] == "yes"
+    # A torn step is not a checksum failure: its parts still verify.
+    rc, lines = _cli(capsys, "verify", work / "local" / "0" / "step-10")
+    assert rc == 0 and all("not committed" in line for line in lines[:-1]) and len(lines) == 3
+
+
+# ---- verify ---------------------------------------------------------------
+
+
+@e2e
+def test_verify_passes_on_the_clean_run_for_every_kind_of_path(run, capsys):
+    rc, lines = _cli(capsys, "verify", run / "dump")
+    assert rc == 0
+    ok = [line for line in lines if line.startswith("ok ")]
+    assert len([line for line in ok if " committed;" in line]) == 3 * 2  # 3 steps x 2 rank parts
+    assert len([line for line in ok if line.split()[1] == "pfs"]) == 3
+    assert len(ok) == len(lines) - 2 and lines[-1].endswith(" 0 FAILED, 0 unverified, 0 torn")
+    local, pfs = run / "local" / "0", run / "dump" / "checkpoint"
+    for path, n in ((local / "step-12", 2), (local, len(ok) - 3), (pfs / "step-8", 1), (pfs, 3)):
+        rc, lines = _cli(capsys, "verify", path)
+        assert rc == 0 and len(lines) == n + 1, lines
+        assert all(line.startswith("ok ") for line in lines[:-1])
+    assert _cli(capsys, "verify", run / "nope")[0] == 2
+
+
+@e2e
+def test_verify_fails_naming_each_corrupted_file(run, tmp_path, capsys):
+    work = _copy(run, tmp_path)
+    bad_local = work / "local" / "0" / "step-12" / "rank-00001.data"
+    bad_pfs = work / "dump" / "checkpoint" / "step-8" / "__0_0.distcp"
+    flip_byte(bad_local)
+    flip_byte(bad_pfs)
+    rc, lines = _cli(capsys, "verify", work / "dump")
+    assert rc == 1
+    failed = [line.split()[2] for line in lines if line.startswith("FAILED")]
+    assert failed == [str(bad_local), str(bad_pfs)]
+    assert all("crc32" in line for line in lines if line.startswith("FAILED"))
+    assert lines[-1].endswith(" 2 FAILED, 0 unverified, 0 torn")
+    # each file is named from its own step folder too; the clean rank still passes
+    rc, lines = _cli(capsys, "verify", bad_local.parent)
+    assert rc == 1 and lines[0].startswith("ok ") and lines[1].split()[2] == str(bad_local)
+    rc, lines = _cli(capsys, "verify", bad_pfs.parent)
+    assert rc == 1 and lines[0].split()[2] == str(bad_pfs)
+
+
+@e2e
+def test_verify_stock_pfs_step_is_unverified_and_missing_manifest_fails(run, tmp_path, capsys):
+    work = _copy(run, tmp_path)
+    (work / "dump" / "checkpoint" / "step-4" / "titan_ckpt_plus.json").unlink()
+    rc, lines = _cli(capsys, "verify", work / "dump" / "checkpoint")
+    assert rc == 0 and lines[0].startswith("unverified") and "stock" in lines[0]
+    gone = work / "local" / "0" / "step-8" / "rank-00000.json"
+    gone.unlink()  # a committed step with a part lacking its manifest cannot be loaded
+    rc, lines = _cli(capsys, "verify", work / "local" / "0" / "step-8")
+    assert rc == 1 and lines[0].split()[2] == str(gone)
+
+
+# ---- report ---------------------------------------------------------------
+
+
+def _image_size(path: str) -> tuple[int, int]:
+    import matplotlib.image
+
+    img = matplotlib.image.imread(path)
+    return img.shape[1], img.shape[0]
+
+
+def _points(records, key):
+    return [float(r["step"]) for r in records], [float(r[key]) for r in records]
+
+
+@e2e
+def test_report_pngs_open_and_plot_the_records(run, tmp_path, capsys):
+    rep = render(str(run / "dump"), str(tmp_path / "rep"))
+    assert [os.path.basename(f) for f in rep.files] == ["delta.png", "background_write.png"]
+    for f in rep.files:
+        assert _image_size(f) == (800, 450)
+    assert any("interval/MTBF panel skipped" in n for n in rep.notes)
+    assert rep.series["delta/local delta"] == _points(ckpt_events(run, "stage"), "delta_s")
+    assert rep.series["background_write/local write"] == _points(
+        ckpt_events(run, "local_commit"), "background_write_s")
+    assert rep.series["background_write/pfs write"] == _points(
+        ckpt_events(run, "pfs_commit"), "background_write_s")
+    assert rep.series["delta/local delta"][0] == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    assert not rep.marks  # no recovery in an uninterrupted run
+    rc, lines = _cli(capsys, "report", run / "dump", "--out", tmp_path / "cli")
+    assert rc == 0 and f"wrote {tmp_path / 'cli' / 'delta.png'}" in lines
+
+
+@e2e
+def test_report_interval_panel_and_failures_marked(run, tmp_path):
+    """The run's records plus a later incarnation's: a failure, a recovery, saves of the
+    same steps again, and "interval" records (as the adaptive-interval issue will log)."""
+    dump = tmp_path / "dump"
+    (dump / "titan_ckpt_plus").mkdir(parents=True)
+    ev = events(run / "dump" / "titan_ckpt_plus" / "events.jsonl")
+    t0 = ev[0]["time"]
+    ev.append({"event": "failure", "time": t0 + 600, "class": "node", "step": 7})
+    ev.append({"event": "recovery", "time": t0 + 660, "step": 6, "tier": "local", "seconds": 0.4,
+               "bytes_local": 1, "bytes_pfs": 0, "skipped": []})
+    ev += [{"event": "stage", "tier": "local", "step": 8, "delta_s": 0.5, "time": t0 + 670},
+           {"event": "save_failed", "tier": "local", "step": 10, "error": "disk full", "time": t0 + 680}]
+    iv = [{"event": "interval", "tier": tier, "steps": k * i + 2, "tau_s": 10.0 * k * (i + 1),
+           "mtbf_s": {"node": 3600.0 * (i + 1), "job": math.inf if i == 0 else 7200.0},
+           "time": t0 + 120 * i} for i in range(5) for k, tier in ((1, "local"), (2, "pfs"))]
+    (dump / "titan_ckpt_plus" / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ev + iv))
+    rep = render(str(dump))
+    out = dump / "titan_ckpt_plus" / "report"
+    assert rep.files == [str(out / n) for n in ("delta.png", "background_write.png", "interval.png")]
+    assert _image_size(rep.files[2]) == (800, 900) and not rep.notes
+    minutes = [i * 2.0 for i in range(5)]  # 120 s apart, over a 10-minute span
+    approx = pytest.approx  # times are differences of epoch seconds
+    assert rep.series["interval/local interval"] == (approx(minutes), [2.0, 3.0, 4.0, 5.0, 6.0])
+    assert rep.series["interval/pfs tau"] == (approx(minutes), [20.0, 40.0, 60.0, 80.0, 100.0])
+    # MTBF per class, from every tier's records; an infinite estimate is not plotted
+    assert rep.series["interval/MTBF job"] == (approx([m for m in minutes[1:] for _ in "lp"]), [2.0] * 8)
+    assert rep.series["interval/MTBF node"][1][::2] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    # the second incarnation's step 8 is plotted too (the line breaks where steps go back)
+    assert rep.series["delta/local delta"][0][-2:] == [12.0, 8.0]
+    assert rep.series["delta/failed save"] == ([10.0], [0.0])
+    assert rep.marks["delta"] == [("recovery", 6.0), ("failure", 7.0)]
+    assert [k for k, _ in rep.marks["interval[0]"]] == ["recovery", "failure"]
+    assert [x for _, x in rep.marks["interval[0]"]] == approx([11.0, 10.0])  # minutes
+
+
+# ---- CLI plumbing ---------------------------------------------------------
+
+
+def test_commands_registered_with_usage_in_their_help():
+    assert {"ls", "verify", "report"} <= set(COMMANDS)
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    for name in ("ls", "verify", "report"):
+        text = sub.choices[name].format_help()
+        assert "examples:" in text and f"titan-ckpt {name} " in text, text
+    assert "exit status" in sub.choices["verify"].format_help()
+
+
+@e2e
+def test_ls_verify_report_import_no_torch(run, tmp_path):
+    code = (
+        "import sys\n"
+        "from titan_ckpt_plus.cli import main\n"
+        f"dump, out = {str(run / 'dump')!r}, {str(tmp_path / 'rep')!r}\n"
+        "assert main(['ls', dump]) == 0\n"
+        "assert main(['verify', dump]) == 0\n"
+        "assert main(['report', dump, '--out', out]) == 0\n"
+        "bad = sorted(n for n in sys.modules if n == 'torch' or n.startswith('torch.'))\n"
+        "assert not bad, bad\n"
+        "assert 'matplotlib' in sys.modules\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "rep" / "delta.png").is_file()

@@ -1,0 +1,100 @@
+"""Neighbor replication on two simulated nodes (two torchrun agents, 2 ranks each,
+c10d rendezvous on 127.0.0.1, one local folder per node)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from harness import ckpt_events, flip_byte, losses, torchrun, torchrun_nodes
+
+pytestmark = pytest.mark.e2e
+REPL = ("--checkpoint.replication_factor=1",)
+STEPS = 12
+
+
+def _all_ok(procs):
+    for p in procs:
+        assert p.returncode == 0, p.stdout[-4000:]
+
+
+def _recovery(work):
+    return ckpt_events(work, "recovery")[-1]
+
+
+def _same_losses_from(work, reference, first, name):
+    got, ref = losses(work, name), losses(reference)
+    steps = range(first, STEPS + 1)
+    assert [got.get(s) for s in steps] == [ref[s] for s in steps]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("repl_ref")
+    _all_ok(torchrun_nodes(work, *REPL))
+    return work
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> Path:
+    """A 2x2 job whose rank 3 (node 1) is killed after step 7; local step 6 committed
+    with replicas. Tests copy it before changing anything."""
+    work = tmp_path_factory.mktemp("repl_killed")
+    procs = torchrun_nodes(work, *REPL, fault="kill_after_step@7:3", loss_log="run1.jsonl")
+    assert any(p.returncode != 0 for p in procs)
+    assert max(e["step"] for e in ckpt_events(work, "local_commit")) == 6
+    return work
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_every_node_holds_its_neighbors_parts(reference):
+    for node, others in (("0", (2, 3)), ("1", (0, 1))):
+        step = reference / "local" / node / "step-12"
+        for r in others:
+            assert (step / f"rank-{r:05d}.data").is_file()
+    rep = ckpt_events(reference, "replication")
+    assert [e["step"] for e in rep] == list(range(2, 13, 2)) and all(e["ok"] for e in rep)
+    assert all(e["bytes_received"] > 0 for e in rep)
+
+
+def test_wiped_node_recovers_from_its_neighbor_without_reading_the_pfs(reference, killed, tmp_path):
+    work = _copy(killed, tmp_path / "w")
+    shutil.rmtree(work / "local" / "1")
+    _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
+    rec = _recovery(work)
+    assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 6, 0)
+    assert rec["bytes_peer"] > 0 and rec["source"] == "local+peer"
+    _same_losses_from(work, reference, 7, "run2.jsonl")
+
+
+def test_all_local_folders_wiped_resumes_from_the_pfs(reference, killed, tmp_path):
+    work = _copy(killed, tmp_path / "w")
+    shutil.rmtree(work / "local")
+    _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
+    rec = _recovery(work)
+    assert (rec["tier"], rec["step"], rec["bytes_local"], rec["bytes_peer"]) == ("pfs", 4, 0, 0)
+    assert rec["bytes_pfs"] > 0
+    _same_losses_from(work, reference, 5, "run2.jsonl")
+
+
+def test_corrupt_replica_is_rejected_and_an_older_step_is_used(reference, killed, tmp_path):
+    work = _copy(killed, tmp_path / "w")
+    shutil.rmtree(work / "local" / "1")
+    flip_byte(work / "local" / "0" / "step-6" / "rank-00002.data")
+    _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
+    rec = _recovery(work)
+    assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)
+    skipped = {(t, s): why for t, s, why in rec["skipped"]}
+    assert "rank 2" in skipped[("local", 6)] and "crc32" in skipped[("local", 6)]
+    _same_losses_from(work, reference, 5, "run2.jsonl")
+
+
+def test_placement_refuses_a_copy_on_the_same_host(tmp_path):
+    proc = torchrun(tmp_path, *REPL)
+    assert proc.returncode != 0
+    assert "replication_factor = 1 needs 2 failure domains" in proc.stdout
+    assert "step:  1" not in proc.stdout

@@ -1,0 +1,352 @@
+"""Read a run's checkpoint folders without torch: what `titan-ckpt ls` and `verify` show.
+
+Layouts (see tiers/local.py and tiers/pfs.py, which write them):
+
+    <local_root>/step-N/rank-R.{data,layout,json} [+ COMMIT.json]      one root per node
+    <dump_folder>/<folder>/step-N/.metadata, __R_I.distcp [+ titan_ckpt_plus.json]
+    <dump_folder>/titan_ckpt_plus/events.jsonl, local_roots.json
+
+tiers/pfs.py imports torch, so its manifest name and format are restated here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from titan_ckpt_plus.tiers import files
+from titan_ckpt_plus.tiers.local import COMMIT
+
+PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32}}}
+PFS_METADATA = ".metadata"
+PLUGIN_DIR = "titan_ckpt_plus"
+EVENTS = "events.jsonl"
+LOCAL_ROOTS = "local_roots.json"
+_PART = re.compile(r"^rank-(\d+)\.(json|data|layout)$")
+
+
+# ---- discovery --------------------------------------------------------------
+
+
+def events_path(run_dir: str) -> str:
+    """The events file of a run given its dump folder, its titan_ckpt_plus folder or the file."""
+    if os.path.isfile(run_dir):
+        return run_dir
+    if os.path.basename(os.path.normpath(run_dir)) == PLUGIN_DIR:
+        return os.path.join(run_dir, EVENTS)
+    return os.path.join(run_dir, PLUGIN_DIR, EVENTS)
+
+
+def read_events(run_dir: str) -> list[dict]:
+    from titan_ckpt_plus.telemetry import read_events as _read
+
+    return _read(events_path(run_dir))
+
+
+def local_roots(dump_folder: str, extra: list[str] | None = None) -> list[tuple[str, str]]:
+    """(root, where it came from), deduplicated, in order: explicit roots, the plugin's
+    local_roots.json, then any `local_root(s)` field of an event record."""
+    found: list[tuple[str, str]] = [(os.path.abspath(r), "--local-root") for r in extra or []]
+    try:
+        recorded = files.read_json(os.path.join(dump_folder, PLUGIN_DIR, LOCAL_ROOTS))
+        found += [(r, LOCAL_ROOTS) for r in recorded if isinstance(r, str)]
+    except (OSError, ValueError, TypeError):
+        pass
+    for e in read_events(dump_folder):
+        for r in ([e["local_root"]] if isinstance(e.get("local_root"), str) else []) + list(
+                e.get("local_roots") or []):
+            found.append((r, EVENTS))
+    seen, out = set(), []
+    for root, src in found:
+        key = os.path.normpath(root)
+        if key not in seen:
+            seen.add(key)
+            out.append((key, src))
+    return out
+
+
+def _step_dirs(folder: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted((s, os.path.join(folder, n)) for n in names
+                  if (s := files.step_of(n)) is not None and os.path.isdir(os.path.join(folder, n)))
+
+
+def step_kind(step_dir: str) -> str:
+    """"local", "pfs" or "" (nothing that tells) for a step-N folder."""
+    try:
+        names = os.listdir(step_dir)
+    except OSError:
+        return ""
+    if COMMIT in names or any(_PART.match(n) for n in names):
+        return "local"
+    if PFS_MANIFEST in names or PFS_METADATA in names or any(n.endswith(".distcp") for n in names):
+        return "pfs"
+    return ""
+
+
+def pfs_folders(dump_folder: str) -> list[str]:
+    """Folders directly under the dump folder that hold PFS (DCP) steps; torchtitan's
+    `[checkpoint] folder` is configurable, so any child with such steps counts."""
+    out, dump_folder = [], os.path.abspath(dump_folder)
+    for name in sorted(os.listdir(dump_folder)) if os.path.isdir(dump_folder) else []:
+        path = os.path.join(dump_folder, name)
+        if name != PLUGIN_DIR and any(step_kind(d) == "pfs" for _, d in _step_dirs(path)):
+            out.append(path)
+    return out
+
+
+# ---- ls -------------------------------------------------------------------
+
+
+@dataclass
+class StepInfo:
+    tier: str  # "local" | "pfs"
+    folder: str  # the node's local root, or the PFS folder
+    step: int
+    path: str
+    committed: bool
+    state: str
+    parts: int  # local: rank manifests in this folder; pfs: .distcp shards
+    size: int  # bytes of every file in the step folder
+    mtime: float  # commit time if known, else the newest file's mtime
+    replicas: int = 0
+
+
+def _dir_size_mtime(path: str) -> tuple[int, float]:
+    size, mtime = 0, 0.0
+    for name in os.listdir(path):
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:
+            continue
+        size += st.st_size
+        mtime = max(mtime, st.st_mtime)
+    return size, mtime
+
+
+def _replicas(path: str, manifests: list[dict]) -> int:
+    """Parts in a local step folder held for ranks of another node. Replication has not
+    landed: none are written yet, so this counts manifests marked `"replica": true`."""
+    return sum(1 for m in manifests if m.get("replica"))
+
+
+def local_step(root: str, step: int, path: str) -> StepInfo:
+    names = os.listdir(path)
+    manifests = []
+    for n in names:
+        m = _PART.match(n)
+        if m and m.group(2) == "json":
+            try:
+                manifests.append(files.read_json(os.path.join(path, n)))
+            except (OSError, ValueError):
+                manifests.append({})
+    size, mtime = _dir_size_mtime(path)
+    committed = COMMIT in names
+    if committed:
+        try:
+            mtime = float(files.read_json(os.path.join(path, COMMIT)).get("committed_at", mtime))
+        except (OSError, ValueError, AttributeError):
+            pass
+    state = "committed" if committed else "torn (no COMMIT.json)"
+    return StepInfo("local", root, step, path, committed, state, len(manifests), size, mtime,
+                    _replicas(path, manifests))
+
+
+def pfs_step(folder: str, step: int, path: str) -> StepInfo:
+    names = os.listdir(path)
+    complete = PFS_METADATA in names
+    if not complete:
+        state = "torn (no .metadata)"
+    elif PFS_MANIFEST in names:
+        state = "complete"
+    else:
+        state = "complete, stock (no manifest)"
+    size, mtime = _dir_size_mtime(path)
+    shards = sum(1 for n in names if n.endswith(".distcp"))
+    return StepInfo("pfs", folder, step, path, complete, state, shards, size, mtime)
+
+
+def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[list[StepInfo], list[str]]:
+    """Every step this host can see, and notes (where roots came from, missing ones)."""
+    steps, notes = [], []
+    roots = local_roots(dump_folder, extra_roots)
+    if not roots:
+        notes.append(f"no local roots known: no {os.path.join(dump_folder, PLUGIN_DIR, LOCAL_ROOTS)}; "
+                     "pass --local-root PATH")
+    for root, src in roots:
+        if not os.path.isdir(root):
+            notes.append(f"local root {root} (from {src}): not visible from this host")
+            continue
+        notes.append(f"local root {root} (from {src})")
+        steps += [local_step(root, s, d) for s, d in _step_dirs(root)]
+    pfs = pfs_folders(dump_folder)
+    if not pfs:
+        notes.append(f"no PFS steps under {dump_folder}")
+    for folder in pfs:
+        notes.append(f"PFS folder {folder}")
+        steps += [pfs_step(folder, s, d) for s, d in _step_dirs(folder)]
+    return steps, notes
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def human_age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def ls_rows(steps: list[StepInfo], now: float | None = None) -> list[list[str]]:
+    now = time.time() if now is None else now
+    return [[s.tier, s.folder, str(s.step), "yes" if s.committed else "no", s.state, str(s.parts),
+             human_bytes(s.size), human_age(now - s.mtime), str(s.replicas)] for s in steps]
+
+
+LS_HEADER = ["tier", "folder", "step", "committed", "state", "parts", "size", "age", "replicas"]
+_LS_LEFT = {0, 1, 3, 4}
+
+
+def ls_table(steps: list[StepInfo], now: float | None = None) -> list[str]:
+    """The `ls` table: text columns left-aligned, numbers right-aligned."""
+    rows = [LS_HEADER] + ls_rows(steps, now)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(LS_HEADER))]
+    return ["  ".join(c.ljust(w) if i in _LS_LEFT else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+# ---- verify ---------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    status: str  # "ok" | "FAILED" | "unverified" | "torn"
+    tier: str
+    path: str  # the part/step checked, or the failing file
+    detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "FAILED"
+
+    def line(self) -> str:
+        return f"{self.status:<10}  {self.tier:<5}  {self.path}" + (f"  {self.detail}" if self.detail else "")
+
+
+def verify_local_step(path: str) -> list[Check]:
+    """Each rank part's files against its manifest; one Check per part (or per bad file)."""
+    names = sorted(os.listdir(path))
+    committed = COMMIT in names
+    out: list[Check] = []
+    if committed:
+        try:
+            files.read_json(os.path.join(path, COMMIT))
+        except (OSError, ValueError) as e:
+            out.append(Check("FAILED", "local", os.path.join(path, COMMIT), f"unreadable: {e}"))
+    ranks = sorted({int(m.group(1)) for n in names if (m := _PART.match(n))})
+    where = "committed" if committed else "not committed"
+    for r in ranks:
+        base = os.path.join(path, f"rank-{r:05d}")
+        try:
+            manifest = files.read_json(base + ".json")
+        except FileNotFoundError:
+            # A part still being written (or killed mid-write) has no manifest yet: harmless
+            # in a step without COMMIT.json, impossible in a committed one.
+            status = "FAILED" if committed else "torn"
+            out.append(Check(status, "local", base + ".json", f"missing: this rank's part has no manifest ({where} step)"))
+            continue
+        except (OSError, ValueError) as e:
+            out.append(Check("FAILED", "local", base + ".json", f"unreadable manifest: {e}"))
+            continue
+        bad = []
+        for kind in ("data", "layout"):
+            try:
+                files.check_file(f"{base}.{kind}", manifest["files"][kind])
+            except files.CorruptCheckpoint as e:
+                bad.append(Check("FAILED", "local", f"{base}.{kind}", str(e).split(": ", 1)[-1]))
+            except (KeyError, TypeError):
+                bad.append(Check("FAILED", "local", base + ".json", f"manifest lacks files.{kind}"))
+        if manifest.get("step") not in (None, files.step_of(os.path.basename(path))):
+            bad.append(Check("FAILED", "local", base + ".json",
+                             f"manifest is for step {manifest.get('step')}"))
+        if not bad:
+            nbytes = sum(v["size"] for v in manifest["files"].values())
+            out.append(Check("ok", "local", base, f"{where}; data+layout {nbytes} B"))
+        out += bad
+    if not ranks:
+        out.append(Check("FAILED" if committed else "torn", "local", path, f"no rank parts ({where})"))
+    return out
+
+
+def verify_pfs_step(path: str) -> list[Check]:
+    names = set(os.listdir(path))
+    try:
+        manifest = files.read_json(os.path.join(path, PFS_MANIFEST))
+        listed = manifest["files"]
+    except FileNotFoundError:
+        if PFS_METADATA not in names:
+            return [Check("torn", "pfs", path, "no .metadata and no manifest: never used")]
+        return [Check("unverified", "pfs", path, f"stock step: no {PFS_MANIFEST}, nothing to check against")]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [Check("FAILED", "pfs", os.path.join(path, PFS_MANIFEST), f"unreadable manifest: {e!r}")]
+    out = []
+    for name in sorted(listed):
+        try:
+            files.check_file(os.path.join(path, name), listed[name])
+        except files.CorruptCheckpoint as e:
+            out.append(Check("FAILED", "pfs", os.path.join(path, name), str(e).split(": ", 1)[-1]))
+    for name in sorted(n for n in names if n.endswith(".distcp") and n not in listed):
+        out.append(Check("FAILED", "pfs", os.path.join(path, name), "not covered by the manifest"))
+    if PFS_METADATA not in names and PFS_METADATA not in listed:
+        out.append(Check("FAILED", "pfs", os.path.join(path, PFS_METADATA), "missing"))
+    if not out:
+        out.append(Check("ok", "pfs", path, f"{len(listed)} files, {sum(v['size'] for v in listed.values())} B"))
+    return out
+
+
+def verify_step(path: str) -> list[Check]:
+    kind = step_kind(path)
+    if kind == "local":
+        return verify_local_step(path)
+    if kind == "pfs":
+        return verify_pfs_step(path)
+    return [Check("torn", "?", path, "empty step folder")]
+
+
+def verify_path(path: str, extra_roots: list[str] | None = None) -> tuple[list[Check], list[str]]:
+    """Checks for a step folder, a folder of steps (local root or PFS folder) or a dump
+    folder (its PFS folders and every local root it records); and notes."""
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such folder")
+    if files.step_of(os.path.basename(path)) is not None and step_kind(path):
+        return verify_step(path), []
+    notes, folders = [], []
+    if _step_dirs(path):
+        folders.append(path)
+    else:  # a dump folder
+        for root, src in local_roots(path, extra_roots):
+            if os.path.isdir(root):
+                folders.append(root)
+                notes.append(f"local root {root} (from {src})")
+            else:
+                notes.append(f"local root {root} (from {src}): not visible from this host, not checked")
+        folders += pfs_folders(path)
+    for root in extra_roots or []:
+        if os.path.abspath(root) not in folders and os.path.isdir(root):
+            folders.append(os.path.abspath(root))
+    checks = [c for f in folders for _, d in _step_dirs(f) for c in verify_step(d)]
+    return checks, notes

@@ -1,0 +1,136 @@
+"""Moving a rank's local part to another rank over a torch.distributed group.
+
+The same exchange serves replication after a save (each rank sends its part to its
+peers while receiving its sources' parts) and recovery (a holder sends a lost part to
+the rank that needs it). What arrives is data, not instructions: the receiver bounds
+the sizes before allocating, names the files itself, parses the manifest as JSON, and
+checks sizes and CRC-32 before anything is kept or unpickled.
+
+On gloo the host buffers go on the wire as they are; on NCCL they pass through a
+reused device buffer in chunks, so no part is ever whole in GPU memory.
+"""
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titan_ckpt_plus.tiers import files
+
+CHUNK = 64 << 20
+MAX_MANIFEST = 1 << 20
+
+
+@dataclass
+class Part:
+    manifest: bytes
+    layout: bytes
+    data: object  # any buffer: numpy array, bytearray, memoryview
+
+    def sizes(self) -> list[int]:
+        return [len(self.manifest), len(self.layout), memoryview(self.data).nbytes]
+
+    def nbytes(self) -> int:
+        return sum(self.sizes())
+
+
+class Wire:
+    """Point-to-point transfers of parts on one process group."""
+
+    def __init__(self, pg, device: torch.device | None = None) -> None:
+        self.pg = pg
+        self.device = device  # None: gloo, host tensors; else NCCL through this device
+        self._dev_buf = None
+
+    def _bytes_tensor(self, buf) -> torch.Tensor:
+        mv = memoryview(buf).cast("B")
+        if mv.readonly:  # manifests and layouts: small, copy them rather than alias
+            mv = memoryview(bytearray(mv))
+        return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
+
+    def _wire(self, n: int) -> torch.Tensor:
+        if self._dev_buf is None or self._dev_buf.numel() < n:
+            self._dev_buf = torch.empty(max(n, CHUNK), dtype=torch.uint8, device=self.device)
+        return self._dev_buf[:n]
+
+    def _swap(self, peer_send, values: list[int], peer_recv, n: int) -> list[int] | None:
+        """Send `values` to peer_send while receiving n int64s from peer_recv."""
+        dev = self.device or "cpu"
+        ops = []
+        if peer_send is not None:
+            ops.append(dist.P2POp(dist.isend, torch.tensor(values, dtype=torch.int64, device=dev),
+                                  peer_send, self.pg))
+        got = torch.zeros(n, dtype=torch.int64, device=dev)
+        if peer_recv is not None:
+            ops.append(dist.P2POp(dist.irecv, got, peer_recv, self.pg))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        return got.cpu().tolist() if peer_recv is not None else None
+
+    def exchange(self, peer_send: int | None, part: Part | None, peer_recv: int | None,
+                 max_bytes: int) -> tuple[Part | None, str]:
+        """Send `part` (None: tell the peer we have nothing) to `peer_send` while
+        receiving from `peer_recv`. Returns (received part, "") or (None, reason).
+        Three steps: sizes, then the receiver's accept/refuse, then the bytes, so a
+        refused part is never sent and both sides stay in step."""
+        sizes = [1, *part.sizes()] if part is not None else [0, 0, 0, 0]
+        hin = self._swap(peer_send, sizes, peer_recv, 4)
+        why = ""
+        if hin is not None:
+            ok, m, l, d = hin
+            if not ok:
+                why = f"rank {peer_recv} had no part to send"
+            elif not (0 < m <= MAX_MANIFEST and 0 <= l <= max_bytes and 0 <= d <= max_bytes):
+                why = f"rank {peer_recv} announced implausible sizes {hin[1:]} (limit {max_bytes})"
+        accept = hin is not None and not why
+        ack = self._swap(peer_recv, [int(accept)], peer_send, 1)
+        send = part is not None and peer_send is not None and bool(ack and ack[0])
+        incoming = [bytearray(n) for n in hin[1:]] if accept else []
+        outgoing = [part.manifest, part.layout, part.data] if send else []
+        self._move(peer_send, outgoing, peer_recv, incoming)
+        if accept:
+            return Part(bytes(incoming[0]), bytes(incoming[1]), incoming[2]), ""
+        return None, why
+
+    def _move(self, peer_send, outgoing, peer_recv, incoming) -> None:
+        out_t = [self._bytes_tensor(b) for b in outgoing]
+        in_t = [self._bytes_tensor(b) for b in incoming]
+        chunks_out = [(t, i) for t in out_t for i in range(0, t.numel(), CHUNK)]
+        chunks_in = [(t, i) for t in in_t for i in range(0, t.numel(), CHUNK)]
+        for k in range(max(len(chunks_out), len(chunks_in))):
+            ops, landing = [], None
+            if k < len(chunks_out):
+                t, i = chunks_out[k]
+                src = t[i : i + CHUNK]
+                if self.device is not None:
+                    src = self._wire(src.numel()).copy_(src)
+                ops.append(dist.P2POp(dist.isend, src, peer_send, self.pg))
+            if k < len(chunks_in):
+                t, i = chunks_in[k]
+                dst = t[i : i + CHUNK]
+                landing = (dst, torch.empty(dst.numel(), dtype=torch.uint8, device=self.device)
+                           if self.device is not None else dst)
+                ops.append(dist.P2POp(dist.irecv, landing[1], peer_recv, self.pg))
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+            if landing is not None and self.device is not None:
+                landing[0].copy_(landing[1])
+
+
+def check_part(part: Part, rank: int, step: int, world_size: int) -> dict:
+    """The received part's manifest, if it is the part of `rank` at `step` and its
+    bytes match it; else CorruptCheckpoint."""
+    try:
+        manifest = json.loads(part.manifest)
+        entries = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise files.CorruptCheckpoint(f"rank {rank} step {step}: unreadable manifest ({e})") from None
+    if (manifest.get("rank"), manifest.get("step"), manifest.get("world_size")) != (rank, step, world_size):
+        raise files.CorruptCheckpoint(
+            f"rank {rank} step {step}: manifest is for rank {manifest.get('rank')} "
+            f"step {manifest.get('step')} world {manifest.get('world_size')}")
+    files.check_bytes(f"rank {rank} step {step} layout", part.layout, entries["layout"])
+    files.check_bytes(f"rank {rank} step {step} data", part.data, entries["data"])
+    return manifest

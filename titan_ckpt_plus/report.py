@@ -1,0 +1,186 @@
+"""PNG plots of a run's checkpoint events (`titan-ckpt report`), without torch.
+
+    delta.png             training blocked per save (delta_s), per tier, over steps
+    background_write.png  background write time per tier (and replication), over steps
+    interval.png          interval per tier in steps and tau, and MTBF per failure class,
+                          over wall time (only when the run logged "interval" records)
+
+Recoveries are drawn as vertical lines (at the step recovered from, or at their time),
+"failure" records likewise, failed saves as crosses. matplotlib is imported here only.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from titan_ckpt_plus import inspect
+
+RECOVERY_STYLE = dict(color="tab:red", linestyle="--", linewidth=1.2)
+FAILURE_STYLE = dict(color="black", linestyle=":", linewidth=1.2)
+
+
+@dataclass
+class Report:
+    files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # "<png name>/<series label>" -> (x, y) as plotted (read back from the Line2D objects)
+    series: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    # "<png name>" -> [(event kind, x)] for each vertical line drawn
+    marks: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+
+
+def _num(v) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _by_tier(records: list[dict], key: str, x: str = "step") -> dict[str, tuple[list, list]]:
+    out: dict[str, tuple[list, list]] = {}
+    for r in records:
+        xv, yv = _num(r.get(x)), _num(r.get(key))
+        if xv is not None and yv is not None:
+            xs, ys = out.setdefault(str(r.get("tier", "?")), ([], []))
+            xs.append(xv)
+            ys.append(yv)
+    return out
+
+
+def _broken(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+    """Break the line where the step goes back (a restarted incarnation saves again)."""
+    bx, by = [], []
+    for i, (a, b) in enumerate(zip(xs, ys)):
+        if i and a <= xs[i - 1]:
+            bx.append(math.nan)
+            by.append(math.nan)
+        bx.append(a)
+        by.append(b)
+    return bx, by
+
+
+def _plot(ax, rep: Report, png: str, label: str, xs, ys, broken=True, **style) -> None:
+    line, = ax.plot(*(_broken(xs, ys) if broken else (xs, ys)), marker="o", markersize=4,
+                    label=label, **style)
+    px = [float(v) for v in line.get_xdata()]
+    py = [float(v) for v in line.get_ydata()]
+    keep = [i for i, v in enumerate(px) if not math.isnan(v)]
+    rep.series[f"{png}/{label}"] = ([px[i] for i in keep], [py[i] for i in keep])
+
+
+def _mark_events(ax, rep: Report, png: str, ev: list[dict], x: str, t0: float = 0.0,
+                 scale: float = 1.0) -> None:
+    """Recoveries (and "failure" records) as labelled vertical lines; x is "step" or "time"."""
+    labelled = set()
+    for kind, style in (("recovery", RECOVERY_STYLE), ("failure", FAILURE_STYLE)):
+        for r in (e for e in ev if e.get("event") == kind):
+            v = _num(r.get(x))
+            if v is None:
+                continue
+            if kind == "recovery":
+                label = "recovery (at the step resumed from)" if x == "step" else "recovery"
+            else:
+                label = "failure" + (f" ({r['class']})" if r.get("class") else "")
+            ax.axvline((v - t0) / scale, label=None if label in labelled else label, **style)
+            rep.marks.setdefault(png, []).append((kind, (v - t0) / scale))
+            labelled.add(label)
+
+
+def _save(fig, ax_or_axes, path: str, rep: Report) -> None:
+    for ax in ax_or_axes:
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    rep.files.append(path)
+
+
+def render(run_dir: str, out_dir: str | None = None) -> Report:
+    """Write the PNGs for the run whose dump folder (or events file) is `run_dir`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rep = Report()
+    path = inspect.events_path(run_dir)
+    ev = inspect.read_events(run_dir)
+    if not ev:
+        rep.notes.append(f"no events in {path}: nothing to plot")
+        return rep
+    out_dir = out_dir or os.path.join(os.path.dirname(path), "report")
+    os.makedirs(out_dir, exist_ok=True)
+    of = lambda kind: [e for e in ev if e.get("event") == kind]  # noqa: E731
+    dump = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    title_run = os.path.join(os.path.basename(os.path.dirname(dump)), os.path.basename(dump))
+
+    # delta: training blocked per save
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for tier, (xs, ys) in sorted(_by_tier(of("stage"), "delta_s").items()):
+        _plot(ax, rep, "delta", f"{tier} delta", xs, ys)
+    fails = [e for e in of("save_failed") if _num(e.get("step")) is not None]
+    if fails:
+        xs = [float(e["step"]) for e in fails]
+        ax.plot(xs, [0.0] * len(xs), "x", color="tab:red", markersize=9, label="failed save")
+        rep.series["delta/failed save"] = (xs, [0.0] * len(xs))
+    stage_tiers = {e.get("tier") for e in of("stage")}
+    if of("pfs_commit") and "pfs" not in stage_tiers:
+        ax.plot([], [], " ", label="pfs: none of its own (drained from local)")
+    _mark_events(ax, rep, "delta", ev, "step")
+    ax.set(title=f"Checkpoint delta (training blocked per save) - {title_run}",
+           xlabel="training step", ylabel="delta (s)")
+    _save(fig, [ax], os.path.join(out_dir, "delta.png"), rep)
+    plt.close(fig)
+
+    # background write time
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    writes = _by_tier(of("local_commit") + of("pfs_commit"), "background_write_s")
+    for tier, (xs, ys) in sorted(writes.items()):
+        _plot(ax, rep, "background_write", f"{tier} write", xs, ys)
+    for tier, (xs, ys) in sorted(_by_tier(of("replication"), "seconds").items()):
+        _plot(ax, rep, "background_write", f"replication ({tier})" if tier != "?" else "replication", xs, ys)
+    _mark_events(ax, rep, "background_write", ev, "step")
+    ax.set(title=f"Background checkpoint write time (off the training path) - {title_run}",
+           xlabel="training step", ylabel="write time (s)")
+    _save(fig, [ax], os.path.join(out_dir, "background_write.png"), rep)
+    plt.close(fig)
+
+    # intervals and MTBF over time
+    iv = [e for e in of("interval") if _num(e.get("time")) is not None]
+    if not iv:
+        rep.notes.append("no \"interval\" records in the events file: interval/MTBF panel skipped")
+        return rep
+    t0 = min(e["time"] for e in ev if _num(e.get("time")) is not None)
+    span = max(e["time"] for e in iv) - t0
+    unit, scale = ("h", 3600.0) if span > 7200 else ("min", 60.0) if span > 120 else ("s", 1.0)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    when = lambda r: (r["time"] - t0) / scale  # noqa: E731
+    for tier in sorted({str(e.get("tier", "?")) for e in iv}):
+        rows = [e for e in iv if str(e.get("tier", "?")) == tier]
+        for ax, key, label in ((axes[0], "steps", f"{tier} interval"), (axes[1], "tau_s", f"{tier} tau")):
+            pts = [(when(r), _num(r.get(key))) for r in rows if _num(r.get(key)) is not None]
+            if pts:
+                _plot(ax, rep, "interval", label, [p[0] for p in pts], [p[1] for p in pts],
+                      broken=False, drawstyle="steps-post")
+    mtbf: dict[str, tuple[list, list]] = {}
+    for r in iv:
+        m = r.get("mtbf_s")
+        per_class = m if isinstance(m, dict) else {str(r.get("class") or r.get("tier", "?")): m}
+        for cls, v in per_class.items():
+            if _num(v) is not None:
+                xs, ys = mtbf.setdefault(str(cls), ([], []))
+                xs.append(when(r))
+                ys.append(_num(v) / 3600)
+    for cls, (xs, ys) in sorted(mtbf.items()):
+        _plot(axes[2], rep, "interval", f"MTBF {cls}", xs, ys, broken=False, drawstyle="steps-post")
+    if not mtbf:
+        rep.notes.append("\"interval\" records carry no finite mtbf_s: MTBF panel left empty")
+    for i, ax in enumerate(axes):
+        _mark_events(ax, rep, f"interval[{i}]", ev, "time", t0, scale)
+    axes[0].set(title=f"Checkpoint interval per tier - {title_run}", ylabel="interval (steps)")
+    axes[1].set(title="Target compute time between checkpoints (tau)", ylabel="tau (s)")
+    axes[2].set(title="MTBF estimate per failure class", ylabel="MTBF (h)",
+                xlabel=f"wall time since the first record ({unit})")
+    _save(fig, axes, os.path.join(out_dir, "interval.png"), rep)
+    plt.close(fig)
+    return rep
