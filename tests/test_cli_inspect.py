@@ -113,7 +113,8 @@ def test_verify_passes_on_the_clean_run_for_every_kind_of_path(run, capsys):
     rc, lines = _cli(capsys, "verify", run / "dump")
     assert rc == 0
     ok = [line for line in lines if line.startswith("ok ")]
-    assert len([line for line in ok if " committed;" in line]) == 3 * 2  # 3 steps x 2 rank parts
+    committed = [line for line in ok if line.split()[3] == "committed;"]
+    assert len(committed) == 3 * 2  # 3 steps x 2 rank parts
     assert len([line for line in ok if line.split()[1] == "pfs"]) == 3
     assert len(ok) == len(lines) - 2 and lines[-1].endswith(" 0 FAILED, 0 unverified, 0 torn")
     local, pfs = run / "local" / "0", run / "dump" / "checkpoint"

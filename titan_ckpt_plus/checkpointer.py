@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from titan_ckpt_plus import faults, recovery, staging
 from titan_ckpt_plus.placement import ReplicaPlacement
+from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule
 from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.local import LocalTier
@@ -88,7 +89,8 @@ class Recovery:
 
 class TieredCheckpointer:
     def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog,
-                 placement: ReplicaPlacement | None = None) -> None:
+                 placement: ReplicaPlacement | None = None,
+                 policy: IntervalPolicy | None = None) -> None:
         self.s = s
         self.capture = capture
         self.events = events
@@ -101,6 +103,7 @@ class TieredCheckpointer:
         self._buffer_free = threading.Event()
         self._buffer_free.set()
         self._copy_thread: threading.Thread | None = None
+        self._pending = False
         self._pending_delta = 0.0
         self._pending_wait = 0.0
         self._pending_step = -1
@@ -109,6 +112,14 @@ class TieredCheckpointer:
         # interleave with each other or with the training group's.
         self.commit_pg = dist.new_group(backend="gloo")
         self.drain_pg = dist.new_group(backend="gloo")
+        self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=policy is not None)
+        self.policy = policy
+        # Main-thread only: the interval decision must be the same on every rank.
+        self.policy_pg = dist.new_group(backend="gloo") if policy is not None else None
+        self._started = time.monotonic()
+        self._last_step_call: tuple[int, float] | None = None
+        self._step_time = 0.0
+        self._last_write = {"local": 0.0, "pfs": 0.0}
         self.placement = placement if placement and placement.factor > 0 else None
         if self.placement is not None:
             nccl = s.replication_backend == "nccl"
@@ -123,34 +134,39 @@ class TieredCheckpointer:
 
     # ---- training-thread side -------------------------------------------------
 
-    def due(self, step: int, last_step: bool) -> tuple[bool, bool]:
-        """(save now, also drain this step to the PFS)."""
-        pfs = last_step or step % self.s.pfs_interval == 0
-        return pfs or step % self.s.local_interval == 0, pfs
+    def resumed_at(self, step: int) -> None:
+        self.schedule.start_at(step)
 
     def save(self, step: int, last_step: bool = False) -> None:
-        save_now, pfs_due = self.due(step, last_step)
+        now = time.monotonic()
+        if self._last_step_call and self._last_step_call[0] == step - 1:
+            self._step_time = now - self._last_step_call[1]
+        self._last_step_call = (step, now)
+        save_now, pfs_due = self.schedule.due(step, last_step)
         if not save_now:
             return
+        self.schedule.saved(step, pfs_due)
         t0 = time.monotonic()
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
         waited = time.monotonic() - t0
-        job = _Job(step, pfs_due, t0)
+        job, tensors = _Job(step, pfs_due, t0), None
         try:
             job.layout, tensors, job.specs = staging.plan_layout(self.capture())
             self.buffer.ensure(job.layout.total_bytes)
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
+            tensors = None
             self._failed("local", step, f"staging: {e!r}")
-            job.staged.set()
-            self._write_q.put(job)  # the writer must still join the commit vote
-            return
-        self._buffer_free.clear()
-        if self.s.overlap_staging and not last_step:
+        if tensors is None:
+            job.staged.set()  # the failed job still goes to the writer: it must vote
+        elif self.s.overlap_staging and not last_step:
+            self._buffer_free.clear()
             self._copy_thread = threading.Thread(target=self._copy, args=(job, tensors), daemon=True)
             self._copy_thread.start()
         else:
+            self._buffer_free.clear()
             self._copy(job, tensors)
         self._write_q.put(job)
+        self._pending = True
         self._pending_delta = time.monotonic() - t0
         self._pending_wait = waited
         self._pending_step = step
@@ -171,8 +187,9 @@ class TieredCheckpointer:
     def wait_for_staging(self) -> None:
         """Called before optimizer.step(): the staged copy must be complete before the
         parameters change."""
-        if self._copy_thread is None and not self._pending_delta:
+        if not self._pending:
             return
+        self._pending = False
         t0 = time.monotonic()
         if self._copy_thread is not None:
             self._copy_thread.join()
@@ -182,6 +199,29 @@ class TieredCheckpointer:
         self.stats.deltas.append(delta)
         self.events.record("stage", step=self._pending_step, tier="local", delta_s=delta,
                            wait_prev_s=self._pending_wait)
+        if self.policy is not None:
+            self._adapt(self._pending_step, delta)
+
+    def _adapt(self, step: int, delta: float) -> None:
+        """Recompute both intervals from this save's numbers, taken as the maximum
+        over ranks so every rank schedules the same steps."""
+        mine = [delta, self._step_time, self._last_write["local"], self._last_write["pfs"],
+                time.monotonic() - self._started]
+        t = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.policy_pg)
+        m = Measurements(*t.tolist())
+        local, pfs, mtbf = self.policy.update(m)
+        self.schedule.local_interval, self.schedule.pfs_interval = local.steps, pfs.steps
+        self._info(f"[titan_ckpt_plus] intervals after step {step}: local {local.steps} steps "
+                   f"({local.reason}), PFS {pfs.steps} steps ({pfs.reason}); MTBF any "
+                   f"{mtbf['any'] / 3600:.3g} h, unrecoverable {mtbf['unrecoverable_local'] / 3600:.3g} h")
+        self.events.record("interval", step=step, local_steps=local.steps, pfs_steps=pfs.steps,
+                           local_tau_s=local.tau_s, pfs_tau_s=pfs.tau_s, local_reason=local.reason,
+                           pfs_reason=pfs.reason, mtbf_any_s=mtbf["any"],
+                           mtbf_unrecoverable_s=mtbf["unrecoverable_local"],
+                           delta_s=m.delta_local_s, step_time_s=m.step_time_s,
+                           write_local_s=m.write_local_s, write_pfs_s=m.write_pfs_s,
+                           uptime_s=m.uptime_s, evidence=self.policy.evidence)
 
     def flush(self) -> None:
         """Wait until every queued local write and PFS drain is done."""
@@ -308,6 +348,7 @@ class TieredCheckpointer:
         self.stats.saves += 1
         self.stats.last_committed = job.step
         commit_s = time.monotonic() - job.started
+        self._last_write["local"] = time.monotonic() - t0
         self._info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
                  f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
         self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
@@ -377,6 +418,7 @@ class TieredCheckpointer:
         self.stats.drains += 1
         self.stats.last_drained = job.step
         drain_s = time.monotonic() - t0
+        self._last_write["pfs"] = drain_s
         self._info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
                  f"in {drain_s:.3f}s (background)")
         self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,

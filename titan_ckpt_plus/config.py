@@ -39,6 +39,31 @@ class Checkpoint:
     replication_backend: str = "gloo"
     """Process-group backend of the replication transfers: "gloo" or "nccl" (GPUs)."""
 
+    adaptive_interval: bool = False
+    """Set both tiers' intervals from Young's formula tau = sqrt(2 delta M), with delta
+    measured and M estimated from the failures this job observes (its ledger).
+    `local_interval` and `interval` are then only the intervals before the first
+    measurement."""
+
+    mtbf_prior_hours: float = 3.0
+    """What the user believes the MTBF (any failure) is before a failure is seen."""
+
+    mtbf_prior_weight: float = 2.0
+    """How many failures' worth of belief the priors carry."""
+
+    pfs_mtbf_prior_hours: float = 30.0
+    """Prior MTBF of failures the local tier and its replicas cannot recover (a node
+    lost with its copies, every local folder gone); sets the PFS interval."""
+
+    min_interval: int = 10
+    """Adaptive intervals never go below this many steps."""
+
+    max_interval: int = 2000
+    """... nor above this many (unless a background write takes longer)."""
+
+    interval_formula: str = "young"
+    """"young": sqrt(2 delta M); "daly": sqrt(2 delta (M + R)) - delta, R the measured restart time."""
+
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
     the same on every rank: resumable at any DP degree) or "per_rank" (torchtitan's
@@ -78,6 +103,20 @@ def resolve_local_folder(template: str) -> str:
 def _is_inside(path: str, parent: str) -> bool:
     path, parent = os.path.realpath(path), os.path.realpath(parent)
     return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def _validate_adaptive(ckpt) -> None:
+    for key in ("mtbf_prior_hours", "mtbf_prior_weight", "pfs_mtbf_prior_hours"):
+        if not getattr(ckpt, key) > 0:
+            raise ConfigError(f"[checkpoint] {key} = {getattr(ckpt, key)} is invalid. "
+                              f"Fix: a positive number (e.g. {key} = 3.0).")
+    if not 1 <= ckpt.min_interval <= ckpt.max_interval:
+        raise ConfigError(
+            f"[checkpoint] min_interval = {ckpt.min_interval}, max_interval = {ckpt.max_interval}: "
+            "need 1 <= min_interval <= max_interval. Fix: e.g. min_interval = 10, max_interval = 2000.")
+    if ckpt.interval_formula not in ("young", "daly"):
+        raise ConfigError(f"[checkpoint] interval_formula = {ckpt.interval_formula!r} is unknown. "
+                          'Fix: "young" or "daly".')
 
 
 def validate(ckpt, dump_folder: str) -> None:
@@ -127,6 +166,7 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] replication_backend = {ckpt.replication_backend!r} is unknown. "
             'Fix: "gloo", or "nccl" on GPUs.')
+    _validate_adaptive(ckpt)
     local = resolve_local_folder(ckpt.local_folder)
     pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))
     if _is_inside(local, pfs) or _is_inside(pfs, local):

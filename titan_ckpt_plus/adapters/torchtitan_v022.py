@@ -23,6 +23,8 @@ from titan_ckpt_plus import config, cpu_fallback, faults, flavors
 from titan_ckpt_plus.adapters import torchtitan_v022_data
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
+from titan_ckpt_plus.policy.ledger import FAILURE_CLASSES, FailureLedger
+from titan_ckpt_plus.policy.schedule import IntervalPolicy
 from titan_ckpt_plus.staging import copy_into
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.files import atomic_write_json
@@ -67,7 +69,14 @@ class TieredCheckpointManager(_StockManager):
         events_path = os.path.join(base_folder, "titan_ckpt_plus", "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
         placement = self._placement(checkpoint_config, world)
-        self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement)
+        policy = self._interval_policy(checkpoint_config)
+        self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement, policy)
+        ledger_path = os.path.join(base_folder, "titan_ckpt_plus", "ledger.jsonl")
+        self.ledger = FailureLedger(ledger_path) if rank == 0 else None
+        self.incarnation = f"{int(time.time())}-{os.getpid()}"
+        self._last_heartbeat = 0.0
+        if self.ledger:
+            self.ledger.start(self.incarnation, world_size=world)
         self._record_local_roots(base_folder, settings.local_root)
         logger.info(f"[titan_ckpt_plus] tiers on: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
@@ -89,6 +98,34 @@ class TieredCheckpointManager(_StockManager):
             return ReplicaPlacement(world, ckpt.replication_factor, jump, tuple(domains))
         except PlacementError as e:
             raise config.ConfigError(str(e)) from None
+
+    @staticmethod
+    def _interval_policy(ckpt) -> IntervalPolicy | None:
+        if not ckpt.adaptive_interval:
+            return None
+        return IntervalPolicy(ckpt.min_interval, ckpt.max_interval, ckpt.mtbf_prior_hours * 3600,
+                              ckpt.pfs_mtbf_prior_hours * 3600, ckpt.mtbf_prior_weight,
+                              use_daly=ckpt.interval_formula == "daly")
+
+    def _ledger_after_recovery(self, tier: str | None, step: int, seconds: float) -> None:
+        """Record how this start recovered, then hand every rank the same failure
+        evidence (rank 0 reads the ledger) for the interval policy."""
+        evidence = None
+        if self.ledger:
+            before = self.ledger.read(current_incarnation=self.incarnation)
+            if len(before.incarnations) > 1:  # an earlier incarnation exists: a restart
+                self.ledger.recovery(self.incarnation, time.time(), tier, max(step, 0), seconds)
+            summary = self.ledger.read(current_incarnation=self.incarnation)
+            evidence = {c: summary.evidence(c) for c in FAILURE_CLASSES}
+            logger.info(f"[titan_ckpt_plus] failure ledger: {summary.count('any')} failures, "
+                        f"{summary.count('unrecoverable_local')} not recoverable locally, over "
+                        f"{summary.exposure_s / 3600:.3g} h")
+        box = [evidence]
+        dist.broadcast_object_list(box, src=0, group=self.tiered.commit_pg)
+        if self.tiered.policy is not None:
+            self.tiered.policy.evidence = box[0]
+            if tier is not None:
+                self.tiered.policy.controller.observe_restart(seconds)
 
     def _record_local_roots(self, base_folder: str, mine: str) -> None:
         """Every node's local folder, in one file on the PFS, so `titan-ckpt ls` can
@@ -129,6 +166,11 @@ class TieredCheckpointManager(_StockManager):
         else:
             first = curr_step == 1 and self.enable_first_step_checkpoint
             self.tiered.save(curr_step, last_step or first)
+            if self.ledger and (last_step or time.monotonic() - self._last_heartbeat > 5):
+                self._last_heartbeat = time.monotonic()
+                self.ledger.heartbeat(self.incarnation, step=curr_step)
+            if self.ledger and last_step:  # flushed: both tiers hold the last step
+                self.ledger.clean_end(self.incarnation)
         faults.maybe_kill("kill_after_step", curr_step)
 
     def maybe_wait_for_staging(self) -> None:
@@ -145,6 +187,7 @@ class TieredCheckpointManager(_StockManager):
         for tier, s, why in rec.skipped:
             logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
         if rec.tier is None:
+            self._ledger_after_recovery(None, -1, time.monotonic() - t0)
             if rec.skipped and any(t == "pfs" for t, _, _ in rec.skipped):
                 raise RuntimeError(
                     "[titan_ckpt_plus] every checkpoint failed its checks (see warnings "
@@ -166,6 +209,8 @@ class TieredCheckpointManager(_StockManager):
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
+        self.tiered.resumed_at(rec.step)
+        self._ledger_after_recovery(rec.tier, rec.step, seconds)
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
                            bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
                            skipped=[list(x) for x in rec.skipped])
