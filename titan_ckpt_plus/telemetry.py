@@ -5,15 +5,63 @@ The same records feed torchtitan's metric loggers (wandb, tensorboard) and the
 """
 
 import json
+import math
 import os
 import threading
 import time
 
+PREFIX = "ckpt"
+
+
+def metrics_of(event: str, f: dict) -> dict:
+    """The dashboard scalars of one event, named `ckpt/<group>/<name>`, so wandb's
+    workspace groups them in a "ckpt" section with a panel per tier."""
+    def mbps(nbytes, seconds):
+        return nbytes / seconds / 1e6 if seconds else 0.0
+
+    if event == "stage":
+        return {"local/delta_s": f["delta_s"], "local/wait_prev_s": f["wait_prev_s"]}
+    if event == "local_commit":
+        return {"local/staging_s": f["staging_s"], "local/background_write_s": f["background_write_s"],
+                "local/time_to_commit_s": f["time_to_commit_s"], "local/bytes": f["bytes"],
+                "local/write_MBps": mbps(f["bytes"], f["background_write_s"]),
+                "local/committed_step": f["step"]}
+    if event == "pfs_commit":
+        return {"pfs/delta_s": 0.0, "pfs/background_write_s": f["background_write_s"],
+                "pfs/bytes": f["bytes"], "pfs/write_MBps": mbps(f["bytes"], f["background_write_s"]),
+                "pfs/drain_lag_steps": f["drain_lag_steps"], "pfs/committed_step": f["step"]}
+    if event == "replication":
+        return {"replication/seconds": f["seconds"], "replication/bytes_sent": f["bytes_sent"],
+                "replication/MBps": mbps(f["bytes_sent"] + f["bytes_received"], f["seconds"]),
+                "replication/lag_s": f["seconds"]}
+    if event == "interval":
+        out = {"interval/local_steps": f["local_steps"], "interval/pfs_steps": f["pfs_steps"],
+               "interval/mtbf_any_h": f["mtbf_any_s"] / 3600,
+               "interval/mtbf_unrecoverable_h": f["mtbf_unrecoverable_s"] / 3600,
+               "interval/failures_any": (f.get("evidence") or {}).get("any", (0, 0))[0],
+               "interval/expected_waste_local": math.sqrt(2 * f["delta_s"] / f["mtbf_any_s"])}
+        for tier in ("local", "pfs"):
+            if f[f"{tier}_tau_s"] is not None and math.isfinite(f[f"{tier}_tau_s"]):
+                out[f"interval/{tier}_tau_s"] = f[f"{tier}_tau_s"]
+        return out
+    if event == "recovery":
+        return {"recovery/seconds": f["seconds"], "recovery/step": f["step"],
+                "recovery/bytes_local": f["bytes_local"], "recovery/bytes_peer": f["bytes_peer"],
+                "recovery/bytes_pfs": f["bytes_pfs"]}
+    if event == "save_failed":
+        return {f"failures/{f['tier']}_save_failed": 1}
+    return {}
+
 
 class EventLog:
+    """Appends events to the JSONL file and keeps their metrics until the training
+    thread hands them to torchtitan's loggers at the current step (wandb drops a
+    value logged at a step older than the last one)."""
+
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self._pending: dict = {}
         if path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
 
@@ -21,8 +69,17 @@ class EventLog:
         if not self.path:
             return
         line = json.dumps(dict(event=event, time=time.time(), **fields), sort_keys=True)
-        with self._lock, open(self.path, "a") as f:
-            f.write(line + "\n")
+        metrics = {f"{PREFIX}/{k}": v for k, v in metrics_of(event, fields).items()}
+        with self._lock:
+            with open(self.path, "a") as f:
+                f.write(line + "\n")
+            for k, v in metrics.items():
+                self._pending[k] = self._pending.get(k, 0) + v if k.startswith(f"{PREFIX}/failures/") else v
+
+    def take_metrics(self) -> dict:
+        with self._lock:
+            out, self._pending = self._pending, {}
+        return out
 
 
 def read_events(path: str) -> list[dict]:

@@ -74,6 +74,9 @@ class TieredCheckpointManager(_StockManager):
         ledger_path = os.path.join(base_folder, "titan_ckpt_plus", "ledger.jsonl")
         self.ledger = FailureLedger(ledger_path) if rank == 0 else None
         self.incarnation = f"{int(time.time())}-{os.getpid()}"
+        trainer = states.get(tt_checkpoint.TRAIN_STATE)
+        self._metrics_logger = getattr(getattr(trainer, "metrics_processor", None), "logger", None)
+        self._wandb_declared = False
         self._last_heartbeat = 0.0
         if self.ledger:
             self.ledger.start(self.incarnation, world_size=world)
@@ -171,7 +174,25 @@ class TieredCheckpointManager(_StockManager):
                 self.ledger.heartbeat(self.incarnation, step=curr_step)
             if self.ledger and last_step:  # flushed: both tiers hold the last step
                 self.ledger.clean_end(self.incarnation)
+            self._log_metrics(curr_step)
         faults.maybe_kill("kill_after_step", curr_step)
+
+    def _log_metrics(self, step: int) -> None:
+        """Checkpoint figures that became known since the last step, logged at this
+        step through torchtitan's loggers (wandb, tensorboard) on rank 0."""
+        metrics = self.events.take_metrics()
+        if not metrics or self._metrics_logger is None:
+            return
+        if not self._wandb_declared:
+            self._wandb_declared = True
+            try:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.define_metric("ckpt/*", step_metric=None)
+            except Exception:
+                pass
+        self._metrics_logger.log(metrics, step)
 
     def maybe_wait_for_staging(self) -> None:
         if self.tiered is None:
