@@ -122,12 +122,13 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def update_section(path: Path, body: str) -> None:
+def update_section(path: Path, body: str, section: str = SECTION) -> None:
+    """Replace (or append) one `## ` section of a markdown file, leaving the rest."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{SECTION}\n\n{body}\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
+    block = f"{section}\n\n{body}\n"
+    if section in text:
+        start = text.index(section)
+        nxt = text.find("\n## ", start + len(section))
         text = text[:start] + block + (text[nxt + 1:] if nxt != -1 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + block

@@ -117,3 +117,13 @@ def test_changed_dp_degree_skips_local_and_reshards_from_pfs(torn):
     assert (rec["tier"], rec["step"], rec["bytes_local"]) == ("pfs", 8, 0)
     assert rec["bytes_pfs"] > 0
     assert "Training starts at step 9" in proc.stdout
+
+
+def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_path):
+    proc = _ok(torchrun(tmp_path, fault="enospc_local_write@4:1,eio_pfs_write@8:0"))
+    failed = {(e["tier"], e["step"]) for e in ckpt_events(tmp_path, "save_failed")}
+    assert ("local", 4) in failed and ("pfs", 8) in failed
+    assert "No space left on device" in proc.stdout and "training continues" in proc.stdout
+    assert [e["step"] for e in ckpt_events(tmp_path, "local_commit")] == [2, 6, 8, 10, 12]
+    assert [e["step"] for e in ckpt_events(tmp_path, "pfs_commit")] == [12]
+    assert losses(tmp_path) == losses(reference)  # a failed save does not touch training

@@ -328,7 +328,7 @@ class TieredCheckpointer:
                 layout_bytes = job.layout.to_bytes()
                 manifest = self.local.write_part(
                     job.step, layout_bytes, data, meta,
-                    on_chunk=lambda _n: faults.maybe_kill("kill_during_local_write", job.step))
+                    on_chunk=lambda _n: self._write_faults(job.step))
                 own = Part(manifest, layout_bytes, data)
                 nbytes = own.nbytes()
             except Exception as e:
@@ -362,6 +362,11 @@ class TieredCheckpointer:
             self.local.purge(protected=set(self._draining), held=held)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
+
+    @staticmethod
+    def _write_faults(step: int) -> None:
+        faults.maybe_kill("kill_during_local_write", step)
+        faults.maybe_fail("enospc_local_write", step)
 
     def _replicate(self, job: _Job, own: Part | None) -> bool:
         """Send this rank's part to its peers and store its sources' parts, verified
@@ -405,8 +410,9 @@ class TieredCheckpointer:
             layout = staging.StateLayout.from_bytes(layout_bytes)
             buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
             state = staging.rebuild(layout, buf, job.specs)
+            faults.maybe_fail("eio_pfs_write", job.step)
         except Exception as e:
-            why = repr(e)
+            state, why = None, repr(e)
         if not _all_true(state is not None, self.drain_pg):
             self._failed("pfs", job.step, why or "another rank could not read its part")
             return

@@ -3,10 +3,13 @@
     TITAN_CKPT_FAULT="kill_after_step@7:1,kill_during_local_write@10"
 
 kinds: kill_after_step (after step N's save call), kill_during_local_write (after
-the first chunk of step N's local data file); `:R` limits it to global rank R. Only
-the first incarnation fires (TORCHELASTIC_RESTART_COUNT 0), so torchrun restarts run clean.
+the first chunk of step N's local data file), enospc_local_write (that write fails
+with "No space left on device"), eio_pfs_write (step N's PFS drain fails with an I/O
+error); `:R` limits it to global rank R. Only the first incarnation fires
+(TORCHELASTIC_RESTART_COUNT 0), so torchrun restarts run clean.
 """
 
+import errno
 import os
 import signal
 
@@ -31,3 +34,10 @@ def maybe_kill(kind: str, step: int) -> None:
         print(f"[titan_ckpt_plus.faults] {kind} at step {step}: SIGKILL rank "
               f"{os.environ.get('RANK', '0')}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_fail(kind: str, step: int) -> None:
+    """Raise the OSError a full disk (enospc_*) or a broken file system (eio_*) gives."""
+    if _armed(kind, step):
+        code = errno.ENOSPC if kind.startswith("enospc") else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} (injected: {kind}@{step})")
