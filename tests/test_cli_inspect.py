@@ -71,7 +71,8 @@ def test_ls_lists_committed_local_and_pfs_steps(run, capsys):
     assert sorted(s for t, s in rows if t == "local") == [8, 10, 12]
     assert sorted(s for t, s in rows if t == "pfs") == [4, 8, 12]
     for (tier, step), row in rows.items():
-        assert row["committed"] == "yes" and row["parts"] == "2" and row["replicas"] == "0"
+        assert row["committed"] == "yes" and row["parts"] == "2"
+        assert row["replicas"] == ("0" if tier == "local" else "-")  # one node: no replicas
         assert row["folder"] == str(run / "local" / "0" if tier == "local" else run / "dump" / "checkpoint")
         assert row["size"].endswith("MiB")
     assert rows[("local", 12)]["state"] == "committed" and rows[("pfs", 4)]["state"] == "complete"
@@ -87,6 +88,32 @@ def test_ls_finds_local_roots_from_explicit_args_without_the_record(run, tmp_pat
     rc, lines = _cli(capsys, "ls", work / "dump", "--local-root", work / "local" / "0")
     assert sorted(s for (t, s), r in _ls_rows(lines).items() if t == "local" and r["committed"] == "yes") == [
         8, 10, 12]
+
+
+@e2e
+def test_ls_replicas_column(run, tmp_path, capsys):
+    """A replica is stored under its source rank's names, so the node's own ranks come
+    from COMMIT.json's node_ranks, or else from world_size / nodes in local_roots.json."""
+    work = _copy(run, tmp_path)
+    root = work / "local" / "0"
+    rows = _ls_rows(_cli(capsys, "ls", work / "dump", "--local-root", root)[1])
+    assert rows[("local", 12)]["replicas"] == "0"
+    # as if the run had two nodes of one rank each: one of the two parts is a replica
+    (work / "dump" / "titan_ckpt_plus" / "local_roots.json").write_text(
+        json.dumps([str(root), str(work / "local" / "1")]))
+    for s in (8, 12):  # as written before COMMIT.json recorded node_ranks
+        c = root / f"step-{s}" / "COMMIT.json"
+        c.write_text(json.dumps({k: v for k, v in json.loads(c.read_text()).items() if k != "node_ranks"}))
+    commit = root / "step-10" / "COMMIT.json"
+    assert json.loads(commit.read_text())["node_ranks"] == [0, 1]
+    rc, lines = _cli(capsys, "ls", work / "dump")
+    assert f"# local root {work / 'local' / '1'} (from local_roots.json): not visible from this host" in lines
+    rows = _ls_rows(lines)
+    assert [rows[("local", s)]["replicas"] for s in (8, 10, 12)] == ["1", "0", "1"]
+    # a root known only from --local-root: the node count is unknown
+    (work / "dump" / "titan_ckpt_plus" / "local_roots.json").unlink()
+    rows = _ls_rows(_cli(capsys, "ls", work / "dump", "--local-root", root)[1])
+    assert [rows[("local", s)]["replicas"] for s in (8, 10, 12)] == ["?", "0", "?"]
 
 
 @e2e
@@ -191,38 +218,55 @@ def test_report_pngs_open_and_plot_the_records(run, tmp_path, capsys):
 
 @e2e
 def test_report_interval_panel_and_failures_marked(run, tmp_path):
-    """The run's records plus a later incarnation's: a failure, a recovery, saves of the
-    same steps again, and "interval" records (as the adaptive-interval issue will log)."""
+    """The run's records plus a later incarnation's (recovery, a save of step 8 again, a
+    failed save), "interval" records as the adaptive policy writes them, and a failure
+    ledger saying the run's incarnation died without a clean end."""
+    from titan_ckpt_plus.policy.ledger import FailureLedger
+
     dump = tmp_path / "dump"
     (dump / "titan_ckpt_plus").mkdir(parents=True)
     ev = events(run / "dump" / "titan_ckpt_plus" / "events.jsonl")
-    t0 = ev[0]["time"]
+    t0 = min(e["time"] for e in ev)
+    ledger = FailureLedger(dump / "titan_ckpt_plus" / "ledger.jsonl")
+    ledger.start("a", t0 - 1, world_size=2)
+    ledger.heartbeat("a", t0 + 0.01, step=1)
+    ledger.start("b", t0 + 650, world_size=2)
+    ledger.recovery("b", t0 + 660, "local", 6, 0.4)
+    ledger.clean_end("b", t0 + 700)
     ev.append({"event": "failure", "time": t0 + 600, "class": "node", "step": 7})
     ev.append({"event": "recovery", "time": t0 + 660, "step": 6, "tier": "local", "seconds": 0.4,
                "bytes_local": 1, "bytes_pfs": 0, "skipped": []})
     ev += [{"event": "stage", "tier": "local", "step": 8, "delta_s": 0.5, "time": t0 + 670},
            {"event": "save_failed", "tier": "local", "step": 10, "error": "disk full", "time": t0 + 680}]
-    iv = [{"event": "interval", "tier": tier, "steps": k * i + 2, "tau_s": 10.0 * k * (i + 1),
-           "mtbf_s": {"node": 3600.0 * (i + 1), "job": math.inf if i == 0 else 7200.0},
-           "time": t0 + 120 * i} for i in range(5) for k, tier in ((1, "local"), (2, "pfs"))]
-    (dump / "titan_ckpt_plus" / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ev + iv))
+    ev += [{"event": "interval", "step": 2 * i, "local_steps": i + 2, "pfs_steps": 2 * i + 4,
+            "local_tau_s": 10.0 * (i + 1), "pfs_tau_s": 20.0 * (i + 1),
+            "mtbf_any_s": math.inf if i == 0 else 3600.0 * i, "mtbf_unrecoverable_s": 7200.0,
+            "time": t0 + 120 * i} for i in range(5)]
+    (dump / "titan_ckpt_plus" / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ev))
+    last = max((e for e in ev if e["time"] < t0 + 650 and e["event"] != "failure"),
+               key=lambda e: e["time"])  # the dead incarnation's last sign of life: step 8
+    assert last["step"] == 8
     rep = render(str(dump))
     out = dump / "titan_ckpt_plus" / "report"
     assert rep.files == [str(out / n) for n in ("delta.png", "background_write.png", "interval.png")]
     assert _image_size(rep.files[2]) == (800, 900) and not rep.notes
-    minutes = [i * 2.0 for i in range(5)]  # 120 s apart, over a 10-minute span
-    approx = pytest.approx  # times are differences of epoch seconds
-    assert rep.series["interval/local interval"] == (approx(minutes), [2.0, 3.0, 4.0, 5.0, 6.0])
-    assert rep.series["interval/pfs tau"] == (approx(minutes), [20.0, 40.0, 60.0, 80.0, 100.0])
-    # MTBF per class, from every tier's records; an infinite estimate is not plotted
-    assert rep.series["interval/MTBF job"] == (approx([m for m in minutes[1:] for _ in "lp"]), [2.0] * 8)
-    assert rep.series["interval/MTBF node"][1][::2] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    minutes = pytest.approx([i * 2.0 for i in range(5)])  # 120 s apart: a 10-minute span
+    assert rep.series["interval/local interval"] == (minutes, [2.0, 3.0, 4.0, 5.0, 6.0])
+    assert rep.series["interval/pfs interval"] == (minutes, [4.0, 6.0, 8.0, 10.0, 12.0])
+    assert rep.series["interval/local tau"] == (minutes, [10.0, 20.0, 30.0, 40.0, 50.0])
+    assert rep.series["interval/pfs tau"] == (minutes, [20.0, 40.0, 60.0, 80.0, 100.0])
+    # MTBF in hours; the first, infinite estimate is not plotted
+    assert rep.series["interval/MTBF any"] == (pytest.approx([2.0, 4.0, 6.0, 8.0]), [1.0, 2.0, 3.0, 4.0])
+    assert rep.series["interval/MTBF unrecoverable"][1] == [2.0] * 5
     # the second incarnation's step 8 is plotted too (the line breaks where steps go back)
     assert rep.series["delta/local delta"][0][-2:] == [12.0, 8.0]
     assert rep.series["delta/failed save"] == ([10.0], [0.0])
-    assert rep.marks["delta"] == [("recovery", 6.0), ("failure", 7.0)]
-    assert [k for k, _ in rep.marks["interval[0]"]] == ["recovery", "failure"]
-    assert [x for _, x in rep.marks["interval[0]"]] == approx([11.0, 10.0])  # minutes
+    # recovery at the step resumed from; failures at the "failure" event and at the
+    # dead incarnation's last event (later than its last ledger heartbeat)
+    assert rep.marks["delta"] == [("recovery", 6.0), ("failure", 7.0), ("failure", float(last["step"]))]
+    assert [k for k, _ in rep.marks["interval[2]"]] == ["recovery", "failure", "failure"]
+    assert [x for _, x in rep.marks["interval[2]"]] == pytest.approx(
+        [11.0, 10.0, (last["time"] - t0) / 60])  # minutes
 
 
 # ---- CLI plumbing ---------------------------------------------------------

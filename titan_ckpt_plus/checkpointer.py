@@ -51,6 +51,7 @@ class TierSettings:
     pin: bool = False
     overlap_staging: bool = True
     replication_backend: str = "gloo"
+    node_ranks: list = field(default_factory=list)  # ranks sharing this node folder
 
 
 @dataclass
@@ -343,8 +344,8 @@ class TieredCheckpointer:
             if job.ok:
                 self._failed("local", job.step, "another rank's part failed")
             return
-        self.local.commit(job.step, {"world_size": self.s.world_size,
-                                     "layout_tag": self.s.layout_tag})
+        self.local.commit(job.step, {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
+                                     "node_ranks": self.s.node_ranks})
         self.stats.saves += 1
         self.stats.last_committed = job.step
         commit_s = time.monotonic() - job.started
@@ -359,7 +360,7 @@ class TieredCheckpointer:
             self._drain_q.put(job)
         try:
             held = self.placement.sources(self.s.rank) if self.placement else []
-            self.local.purge(protected=set(self._draining), held=held)
+            self.local.purge(protected=set(self._draining), held=held, committed_now=job.step)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
 

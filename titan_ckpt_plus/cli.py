@@ -174,8 +174,11 @@ def _ls_args(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = """\
 List every checkpoint step this host can see, per tier and node folder:
-committed or not, state, parts, size, age, and replicas (parts held for ranks
-of another node; 0 until replication lands).
+committed or not, state, parts (rank parts in the folder; PFS: .distcp shards),
+size, age, and replicas: parts held for ranks of other nodes (from COMMIT.json's
+node_ranks if present, else parts - world_size / nodes, nodes = the roots in
+local_roots.json; "?" when neither is known, e.g. a root given only by
+--local-root).
 
 Local roots come from DUMP_FOLDER/titan_ckpt_plus/local_roots.json (written by
 the plugin), any local_root(s) field in events.jsonl, and --local-root. PFS

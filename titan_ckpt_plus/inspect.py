@@ -46,15 +46,20 @@ def read_events(run_dir: str) -> list[dict]:
     return _read(events_path(run_dir))
 
 
+def recorded_roots(dump_folder: str) -> list[str]:
+    """The plugin's local_roots.json: every node's local root (one per node)."""
+    try:
+        recorded = files.read_json(os.path.join(dump_folder, PLUGIN_DIR, LOCAL_ROOTS))
+        return [os.path.normpath(r) for r in recorded if isinstance(r, str)]
+    except (OSError, ValueError, TypeError):
+        return []
+
+
 def local_roots(dump_folder: str, extra: list[str] | None = None) -> list[tuple[str, str]]:
     """(root, where it came from), deduplicated, in order: explicit roots, the plugin's
     local_roots.json, then any `local_root(s)` field of an event record."""
     found: list[tuple[str, str]] = [(os.path.abspath(r), "--local-root") for r in extra or []]
-    try:
-        recorded = files.read_json(os.path.join(dump_folder, PLUGIN_DIR, LOCAL_ROOTS))
-        found += [(r, LOCAL_ROOTS) for r in recorded if isinstance(r, str)]
-    except (OSError, ValueError, TypeError):
-        pass
+    found += [(r, LOCAL_ROOTS) for r in recorded_roots(dump_folder)]
     for e in read_events(dump_folder):
         for r in ([e["local_root"]] if isinstance(e.get("local_root"), str) else []) + list(
                 e.get("local_roots") or []):
@@ -115,7 +120,7 @@ class StepInfo:
     parts: int  # local: rank manifests in this folder; pfs: .distcp shards
     size: int  # bytes of every file in the step folder
     mtime: float  # commit time if known, else the newest file's mtime
-    replicas: int = 0
+    replicas: int | None = 0  # None: cannot tell (see _replicas)
 
 
 def _dir_size_mtime(path: str) -> tuple[int, float]:
@@ -130,13 +135,30 @@ def _dir_size_mtime(path: str) -> tuple[int, float]:
     return size, mtime
 
 
-def _replicas(path: str, manifests: list[dict]) -> int:
-    """Parts in a local step folder held for ranks of another node. Replication has not
-    landed: none are written yet, so this counts manifests marked `"replica": true`."""
-    return sum(1 for m in manifests if m.get("replica"))
+def _replicas(commit: dict, manifests: list[dict], n_nodes: int | None) -> int | None:
+    """Parts in a node folder held for ranks of other nodes (neighbor replication).
+
+    A replica is stored under its source rank's names with the source's manifest, so
+    the files alone do not say which ranks are the node's own. Used, in order: the
+    node's ranks if COMMIT.json lists them (`node_ranks`); else, as torchrun starts the
+    same number of ranks on every node, world_size / nodes (nodes = the roots in
+    local_roots.json) own parts, the rest replicas; else None (cannot tell)."""
+    ranks = [m.get("rank") for m in manifests]
+    own = commit.get("node_ranks")
+    if isinstance(own, list):
+        return sum(1 for r in ranks if r not in own)
+    world = {m.get("world_size") for m in manifests} | {commit.get("world_size")}
+    world.discard(None)
+    if not n_nodes or len(world) != 1 or not manifests:
+        return None
+    (w,) = world
+    if not isinstance(w, int) or w % n_nodes:
+        return None
+    return max(0, len(manifests) - w // n_nodes)
 
 
-def local_step(root: str, step: int, path: str) -> StepInfo:
+def local_step(root: str, step: int, path: str, n_nodes: int | None = None) -> StepInfo:
+    """One step of a node folder; `n_nodes`: how many nodes the run had, if known."""
     names = os.listdir(path)
     manifests = []
     for n in names:
@@ -147,15 +169,16 @@ def local_step(root: str, step: int, path: str) -> StepInfo:
             except (OSError, ValueError):
                 manifests.append({})
     size, mtime = _dir_size_mtime(path)
-    committed = COMMIT in names
+    committed, commit = COMMIT in names, {}
     if committed:
         try:
-            mtime = float(files.read_json(os.path.join(path, COMMIT)).get("committed_at", mtime))
-        except (OSError, ValueError, AttributeError):
-            pass
+            commit = files.read_json(os.path.join(path, COMMIT))
+            mtime = float(commit.get("committed_at", mtime))
+        except (OSError, ValueError, AttributeError, TypeError):
+            commit = {}
     state = "committed" if committed else "torn (no COMMIT.json)"
     return StepInfo("local", root, step, path, committed, state, len(manifests), size, mtime,
-                    _replicas(path, manifests))
+                    _replicas(commit if isinstance(commit, dict) else {}, manifests, n_nodes))
 
 
 def pfs_step(folder: str, step: int, path: str) -> StepInfo:
@@ -169,13 +192,13 @@ def pfs_step(folder: str, step: int, path: str) -> StepInfo:
         state = "complete, stock (no manifest)"
     size, mtime = _dir_size_mtime(path)
     shards = sum(1 for n in names if n.endswith(".distcp"))
-    return StepInfo("pfs", folder, step, path, complete, state, shards, size, mtime)
+    return StepInfo("pfs", folder, step, path, complete, state, shards, size, mtime, None)
 
 
 def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[list[StepInfo], list[str]]:
     """Every step this host can see, and notes (where roots came from, missing ones)."""
     steps, notes = [], []
-    roots = local_roots(dump_folder, extra_roots)
+    roots, recorded = local_roots(dump_folder, extra_roots), recorded_roots(dump_folder)
     if not roots:
         notes.append(f"no local roots known: no {os.path.join(dump_folder, PLUGIN_DIR, LOCAL_ROOTS)}; "
                      "pass --local-root PATH")
@@ -184,7 +207,8 @@ def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[
             notes.append(f"local root {root} (from {src}): not visible from this host")
             continue
         notes.append(f"local root {root} (from {src})")
-        steps += [local_step(root, s, d) for s, d in _step_dirs(root)]
+        n_nodes = len(recorded) if root in recorded else None
+        steps += [local_step(root, s, d, n_nodes) for s, d in _step_dirs(root)]
     pfs = pfs_folders(dump_folder)
     if not pfs:
         notes.append(f"no PFS steps under {dump_folder}")
@@ -210,10 +234,17 @@ def human_age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+def _replica_cell(s: StepInfo) -> str:
+    if s.tier == "pfs":
+        return "-"
+    return "?" if s.replicas is None else str(s.replicas)
+
+
 def ls_rows(steps: list[StepInfo], now: float | None = None) -> list[list[str]]:
     now = time.time() if now is None else now
     return [[s.tier, s.folder, str(s.step), "yes" if s.committed else "no", s.state, str(s.parts),
-             human_bytes(s.size), human_age(now - s.mtime), str(s.replicas)] for s in steps]
+             human_bytes(s.size), human_age(now - s.mtime), _replica_cell(s)]
+            for s in steps]
 
 
 LS_HEADER = ["tier", "folder", "step", "committed", "state", "parts", "size", "age", "replicas"]

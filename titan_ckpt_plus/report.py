@@ -5,8 +5,10 @@
     interval.png          interval per tier in steps and tau, and MTBF per failure class,
                           over wall time (only when the run logged "interval" records)
 
-Recoveries are drawn as vertical lines (at the step recovered from, or at their time),
-"failure" records likewise, failed saves as crosses. matplotlib is imported here only.
+Recoveries are drawn as vertical lines (at the step recovered from, or at their time);
+failures likewise, from the failure ledger beside the events file (an incarnation that
+ended without clean_end died at its last sign of life) and from any "failure" events;
+failed saves as crosses. matplotlib is imported here only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 from titan_ckpt_plus import inspect
 
+LEDGER = "ledger.jsonl"  # the failure ledger beside events.jsonl (policy/ledger.py)
 RECOVERY_STYLE = dict(color="tab:red", linestyle="--", linewidth=1.2)
 FAILURE_STYLE = dict(color="black", linestyle=":", linewidth=1.2)
 
@@ -67,22 +70,71 @@ def _plot(ax, rep: Report, png: str, label: str, xs, ys, broken=True, **style) -
     rep.series[f"{png}/{label}"] = ([px[i] for i in keep], [py[i] for i in keep])
 
 
-def _mark_events(ax, rep: Report, png: str, ev: list[dict], x: str, t0: float = 0.0,
+def _marks(run_dir: str, ev: list[dict]) -> list[dict]:
+    """Vertical lines: recoveries (events file), failures (the failure ledger beside it,
+    where each incarnation that ended without clean_end died, and any "failure" events)."""
+    out = [dict(kind="recovery", step=_num(r.get("step")), time=_num(r.get("time")),
+                label="recovery") for r in ev if r.get("event") == "recovery"]
+    out += [dict(kind="failure", step=_num(r.get("step")), time=_num(r.get("time")),
+                 label="failure" + (f" ({r['class']})" if r.get("class") else ""))
+            for r in ev if r.get("event") == "failure"]
+    ledger = os.path.join(os.path.dirname(inspect.events_path(run_dir)), LEDGER)
+    if os.path.isfile(ledger):
+        from titan_ckpt_plus.policy.ledger import FailureLedger
+
+        summary = FailureLedger(ledger).read()
+        starts = {inc.id: inc.start_t for inc in summary.incarnations}
+        later = sorted(starts.values())
+        for f in summary.failures:
+            how = {None: "no clean end: crashed, or still running", "local": "recovered locally",
+                   "peer": "recovered from a replica"}.get(f.recovered_from, f"recovered from {f.recovered_from}")
+            step, t = _last_sign_of_life(ev, starts.get(f.incarnation), later, f.step, f.t)
+            out.append(dict(kind="failure", step=step, time=t, label=f"failure ({how})"))
+    return out
+
+
+def _last_sign_of_life(ev, start, starts, step, t):
+    """The ledger dates a failure by the incarnation's last heartbeat; the events file
+    often knows a later step of it (a save before the next incarnation started)."""
+    if start is None:
+        return _num(step), _num(t)
+    end = min([s for s in starts if s > start], default=math.inf)
+    seen = [e for e in ev if _num(e.get("time")) is not None and start <= e["time"] < end
+            and _num(e.get("step")) is not None and e.get("event") != "failure"]
+    best = max(seen, key=lambda e: e["time"], default=None)
+    if best is not None and (t is None or best["time"] > t):
+        return float(best["step"]), float(best["time"])
+    return _num(step), _num(t)
+
+
+def _mark_events(ax, rep: Report, png: str, marks: list[dict], x: str, t0: float = 0.0,
                  scale: float = 1.0) -> None:
-    """Recoveries (and "failure" records) as labelled vertical lines; x is "step" or "time"."""
+    """`marks` as labelled vertical lines; x is "step" or "time"."""
     labelled = set()
-    for kind, style in (("recovery", RECOVERY_STYLE), ("failure", FAILURE_STYLE)):
-        for r in (e for e in ev if e.get("event") == kind):
-            v = _num(r.get(x))
-            if v is None:
-                continue
-            if kind == "recovery":
-                label = "recovery (at the step resumed from)" if x == "step" else "recovery"
-            else:
-                label = "failure" + (f" ({r['class']})" if r.get("class") else "")
-            ax.axvline((v - t0) / scale, label=None if label in labelled else label, **style)
-            rep.marks.setdefault(png, []).append((kind, (v - t0) / scale))
-            labelled.add(label)
+    for m in marks:
+        if m[x] is None:
+            continue
+        label = m["label"] + (" (at the step resumed from)" if m["kind"] == "recovery" and x == "step" else "")
+        style = RECOVERY_STYLE if m["kind"] == "recovery" else FAILURE_STYLE
+        ax.axvline((m[x] - t0) / scale, label=None if label in labelled else label, **style)
+        rep.marks.setdefault(png, []).append((m["kind"], (m[x] - t0) / scale))
+        labelled.add(label)
+
+
+def _interval_points(iv: list[dict]) -> tuple[dict, dict]:
+    """({tier: [(time, steps, tau_s)]}, {failure class: [(time, mtbf_s)]}) from the
+    plugin's "interval" records (local_steps, local_tau_s, pfs_..., mtbf_<class>_s)."""
+    tiers: dict[str, list] = {}
+    mtbf: dict[str, list] = {}
+    for r in iv:
+        for tier in ("local", "pfs"):
+            if f"{tier}_steps" in r or f"{tier}_tau_s" in r:
+                tiers.setdefault(tier, []).append(
+                    (r["time"], _num(r.get(f"{tier}_steps")), _num(r.get(f"{tier}_tau_s"))))
+        for key, v in r.items():
+            if key.startswith("mtbf_") and key.endswith("_s") and len(key) > 7:
+                mtbf.setdefault(key[5:-2], []).append((r["time"], _num(v)))
+    return tiers, mtbf
 
 
 def _save(fig, ax_or_axes, path: str, rep: Report) -> None:
@@ -110,6 +162,7 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
         return rep
     out_dir = out_dir or os.path.join(os.path.dirname(path), "report")
     os.makedirs(out_dir, exist_ok=True)
+    marks = _marks(run_dir, ev)
     of = lambda kind: [e for e in ev if e.get("event") == kind]  # noqa: E731
     dump = os.path.dirname(os.path.dirname(os.path.abspath(path)))
     title_run = os.path.join(os.path.basename(os.path.dirname(dump)), os.path.basename(dump))
@@ -126,7 +179,7 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
     stage_tiers = {e.get("tier") for e in of("stage")}
     if of("pfs_commit") and "pfs" not in stage_tiers:
         ax.plot([], [], " ", label="pfs: none of its own (drained from local)")
-    _mark_events(ax, rep, "delta", ev, "step")
+    _mark_events(ax, rep, "delta", marks, "step")
     ax.set(title=f"Checkpoint delta (training blocked per save) - {title_run}",
            xlabel="training step", ylabel="delta (s)")
     _save(fig, [ax], os.path.join(out_dir, "delta.png"), rep)
@@ -139,7 +192,7 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
         _plot(ax, rep, "background_write", f"{tier} write", xs, ys)
     for tier, (xs, ys) in sorted(_by_tier(of("replication"), "seconds").items()):
         _plot(ax, rep, "background_write", f"replication ({tier})" if tier != "?" else "replication", xs, ys)
-    _mark_events(ax, rep, "background_write", ev, "step")
+    _mark_events(ax, rep, "background_write", marks, "step")
     ax.set(title=f"Background checkpoint write time (off the training path) - {title_run}",
            xlabel="training step", ylabel="write time (s)")
     _save(fig, [ax], os.path.join(out_dir, "background_write.png"), rep)
@@ -148,8 +201,41 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
     # intervals and MTBF over time
     iv = [e for e in of("interval") if _num(e.get("time")) is not None]
     if not iv:
-        rep.notes.append("no \"interval\" records in the events file: interval/MTBF panel skipped")
+        rep.notes.append("no \"interval\" records in the events file (adaptive_interval off?): "
+                         "interval/MTBF panel skipped")
         return rep
+    t0 = min(e["time"] for e in ev if _num(e.get("time")) is not None)
+    span = max(e["time"] for e in iv) - t0
+    unit, scale = ("h", 3600.0) if span > 7200 else ("min", 60.0) if span > 120 else ("s", 1.0)
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    tiers, mtbf = _interval_points(iv)
+    for tier, rows in sorted(tiers.items()):
+        for ax, i, label in ((axes[0], 1, f"{tier} interval"), (axes[1], 2, f"{tier} tau")):
+            pts = [((r[0] - t0) / scale, r[i]) for r in rows if r[i] is not None]
+            if pts:
+                _plot(ax, rep, "interval", label, [p[0] for p in pts], [p[1] for p in pts],
+                      broken=False, drawstyle="steps-post")
+    for cls, rows in sorted(mtbf.items()):
+        pts = [((t - t0) / scale, v / 3600) for t, v in rows if v is not None]
+        if pts:
+            _plot(axes[2], rep, "interval", f"MTBF {cls}", [p[0] for p in pts], [p[1] for p in pts],
+                  broken=False, drawstyle="steps-post")
+    if not any(v is not None for rows in mtbf.values() for _, v in rows):
+        rep.notes.append("\"interval\" records carry no finite MTBF: MTBF panel left empty")
+    for ax, kind in ((axes[1], "tau"), (axes[2], "MTBF")):
+        ys = [y for k, (_, v) in rep.series.items() if k.startswith("interval/") and kind in k for y in v]
+        if ys and min(ys) > 0 and max(ys) / min(ys) > 100:
+            ax.set_yscale("log")  # e.g. the MTBF of any failure vs. of unrecoverable ones
+    for i, ax in enumerate(axes):
+        _mark_events(ax, rep, f"interval[{i}]", marks, "time", t0, scale)
+    log = lambda ax: ", log scale" if ax.get_yscale() == "log" else ""  # noqa: E731
+    axes[0].set(title=f"Checkpoint interval per tier - {title_run}", ylabel="interval (steps)")
+    axes[1].set(title="Target compute time between checkpoints (tau)", ylabel=f"tau (s{log(axes[1])})")
+    axes[2].set(title="MTBF estimate per failure class", ylabel=f"MTBF (h{log(axes[2])})",
+                xlabel=f"wall time since the first record ({unit})")
+    _save(fig, axes, os.path.join(out_dir, "interval.png"), rep)
+    plt.close(fig)
+    return rep
     t0 = min(e["time"] for e in ev if _num(e.get("time")) is not None)
     span = max(e["time"] for e in iv) - t0
     unit, scale = ("h", 3600.0) if span > 7200 else ("min", 60.0) if span > 120 else ("s", 1.0)
@@ -177,9 +263,10 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
         rep.notes.append("\"interval\" records carry no finite mtbf_s: MTBF panel left empty")
     for i, ax in enumerate(axes):
         _mark_events(ax, rep, f"interval[{i}]", ev, "time", t0, scale)
+    log = lambda ax: ", log scale" if ax.get_yscale() == "log" else ""  # noqa: E731
     axes[0].set(title=f"Checkpoint interval per tier - {title_run}", ylabel="interval (steps)")
-    axes[1].set(title="Target compute time between checkpoints (tau)", ylabel="tau (s)")
-    axes[2].set(title="MTBF estimate per failure class", ylabel="MTBF (h)",
+    axes[1].set(title="Target compute time between checkpoints (tau)", ylabel=f"tau (s{log(axes[1])})")
+    axes[2].set(title="MTBF estimate per failure class", ylabel=f"MTBF (h{log(axes[2])})",
                 xlabel=f"wall time since the first record ({unit})")
     _save(fig, axes, os.path.join(out_dir, "interval.png"), rep)
     plt.close(fig)

@@ -66,6 +66,7 @@ class TieredCheckpointManager(_StockManager):
             pin=torch.cuda.is_available(),
             replication_backend=checkpoint_config.replication_backend,
         )
+        settings.node_ranks = self._node_ranks(base_folder, settings.local_root)
         events_path = os.path.join(base_folder, "titan_ckpt_plus", "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
         placement = self._placement(checkpoint_config, world)
@@ -80,7 +81,6 @@ class TieredCheckpointManager(_StockManager):
         self._last_heartbeat = 0.0
         if self.ledger:
             self.ledger.start(self.incarnation, world_size=world)
-        self._record_local_roots(base_folder, settings.local_root)
         logger.info(f"[titan_ckpt_plus] tiers on: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
                     f"{settings.pfs_interval} steps")
@@ -130,15 +130,18 @@ class TieredCheckpointManager(_StockManager):
             if tier is not None:
                 self.tiered.policy.controller.observe_restart(seconds)
 
-    def _record_local_roots(self, base_folder: str, mine: str) -> None:
-        """Every node's local folder, in one file on the PFS, so `titan-ckpt ls` can
-        find a run's local steps from its dump folder alone."""
-        roots: list = [None] * dist.get_world_size()
-        dist.all_gather_object(roots, mine, group=self.tiered.commit_pg)
+    @staticmethod
+    def _node_ranks(base_folder: str, root: str) -> list[int]:
+        """The ranks that share this rank's node folder (recorded in COMMIT.json, so
+        tools can tell own parts from replicas), and every node's folder in one file on
+        the PFS, so `titan-ckpt ls` finds a run's local steps from its dump folder."""
+        where: list = [None] * dist.get_world_size()
+        dist.all_gather_object(where, (socket.gethostname(), root))
         if dist.get_rank() == 0:
             path = os.path.join(base_folder, "titan_ckpt_plus", "local_roots.json")
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_write_json(path, sorted(set(roots)))
+            atomic_write_json(path, sorted({r for _, r in where}))
+        return [r for r, w in enumerate(where) if w == (socket.gethostname(), root)]
 
     # ---- what is saved --------------------------------------------------------
 
@@ -169,7 +172,8 @@ class TieredCheckpointManager(_StockManager):
         else:
             first = curr_step == 1 and self.enable_first_step_checkpoint
             self.tiered.save(curr_step, last_step or first)
-            if self.ledger and (last_step or time.monotonic() - self._last_heartbeat > 5):
+            saved_now = self.tiered.schedule.last_local == curr_step
+            if self.ledger and (saved_now or time.monotonic() - self._last_heartbeat > 5):
                 self._last_heartbeat = time.monotonic()
                 self.ledger.heartbeat(self.incarnation, step=curr_step)
             if self.ledger and last_step:  # flushed: both tiers hold the last step

@@ -146,12 +146,15 @@ class LocalTier:
             if not any(n.startswith("rank-") and n.endswith(".json") for n in os.listdir(d)):
                 shutil.rmtree(d, ignore_errors=True)
 
-    def purge(self, protected: set[int], held: list[int] | None = None) -> list[int]:
+    def purge(self, protected: set[int], held: list[int] | None = None,
+              committed_now: int | None = None) -> list[int]:
         """Keep the newest `keep_latest_k` committed steps, anything newer than the
         newest commit (being written) and `protected` (being drained); delete the
         files this rank is responsible for (its own part, and the replicas it received
-        from `held` ranks) of every other step. Returns the steps touched."""
-        committed = self.committed_steps()
+        from `held` ranks) of every other step. Returns the steps touched.
+        `committed_now`: the step all ranks just voted committed, which counts even
+        before this node's first rank has written its COMMIT.json."""
+        committed = sorted(set(self.committed_steps()) | ({committed_now} - {None}))
         if not committed:
             return []
         keep = set(committed[-self.keep_latest_k:]) | protected
