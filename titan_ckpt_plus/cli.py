@@ -47,21 +47,102 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--delta", type=_floats, default=[600, 120, 60, 10, 2],
+    from .policy.cluster import FIELD_HELP, PRESETS
+
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = """\
+Without --cluster: Young's interval for each --delta. With --cluster: per tier
+(local NVMe + replicas, PFS drain) bytes per rank, delta, background write,
+replication and drain times, tau and expected waste, against a synchronous PFS
+save; formulas in titan_ckpt_plus/policy/cluster.py.
+
+examples:
+  titan-ckpt plan --delta 600,120,60,10,2 --mtbf-hours 3.09
+  titan-ckpt plan --cluster llama3-405b-16384gpu
+  titan-ckpt plan --cluster llama3-405b-16384gpu --pfs-gbps 1000 --bytes-per-param 12
+  titan-ckpt plan --cluster my_cluster.toml     # Cluster fields; base = "<preset>" optional"""
+    p.add_argument("--delta", type=_floats, default=None,
                    help="seconds a checkpoint blocks training, comma-separated (default: 600,120,60,10,2)")
-    p.add_argument("--mtbf-hours", type=float, default=LLAMA3_MTBF_HOURS,
-                   help=f"mean time between failures in hours (default: {LLAMA3_MTBF_HOURS}, Llama 3)")
+    p.add_argument("--mtbf-hours", type=float, default=None,
+                   help=f"job mean time between failures in hours (default: {LLAMA3_MTBF_HOURS}, Llama 3; "
+                        "with --cluster: overrides the per-GPU MTBF)")
+    g = p.add_argument_group("cluster plan")
+    g.add_argument("--cluster", default=None, metavar="NAME|FILE",
+                   help=f"a preset ({', '.join(PRESETS)}) or a JSON/TOML file of cluster fields")
+    g.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    for name, text in FIELD_HELP.items():
+        if name in ("job_mtbf_hours",):  # --mtbf-hours
+            continue
+        g.add_argument("--" + name.replace("_", "-"), dest="cluster_" + name, default=None, metavar=name.upper(),
+                       type=_cluster_field_type(name), help=text)
+
+
+def _cluster_field_type(name: str) -> Callable:
+    if name in ("gpus", "gpus_per_node", "replication_factor"):
+        return int
+    if name == "name":
+        return str
+    if name == "params":
+        from .policy.cluster import parse_count
+
+        def count(text: str) -> float:
+            try:
+                return parse_count(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+        return count
+    return float
+
+
+def _plan_cluster(args: argparse.Namespace) -> int:
+    """The per-tier plan of a preset or file cluster, with command-line overrides."""
+    from .policy import cluster as cl
+
+    overrides = {k[len("cluster_"):]: v for k, v in vars(args).items()
+                 if k.startswith("cluster_") and v is not None}
+    if args.mtbf_hours is not None:
+        if "mtbf_gpu_hours" in overrides:
+            raise SystemExit("error: give --mtbf-hours (job) or --mtbf-gpu-hours (per GPU), not both")
+        overrides["job_mtbf_hours"] = args.mtbf_hours
+    try:
+        c = cl.with_overrides(cl.get_cluster(args.cluster), **overrides)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    rows = cl.plan(c)
+    cells = cl.plan_cells(rows)
+    if args.markdown:
+        print("\n".join(f"    {line}" for line in cl.describe(c)) + "\n")
+        print("| " + " | ".join(cl.PLAN_HEADER) + " |")
+        print("|" + "|".join("---" if i == 0 else "--:" for i in range(len(cl.PLAN_HEADER))) + "|")
+        for r in cells:
+            print("| " + " | ".join(r) + " |")
+        print("\n" + "\n".join(cl.summary(c, rows)))
+    else:
+        print("\n".join(cl.describe(c)))
+        _print_table(cl.PLAN_HEADER, cells)
+        print("\n".join(cl.summary(c, rows)))
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Young's interval for each checkpoint cost."""
-    if not args.mtbf_hours > 0:
+    """Young's interval for each checkpoint cost, or the tiers of a cluster (--cluster)."""
+    if args.cluster is not None:
+        if args.delta is not None:
+            raise SystemExit("error: --delta and --cluster are exclusive (the cluster determines delta)")
+        return _plan_cluster(args)
+    given = sorted("--" + k[len("cluster_"):].replace("_", "-") for k, v in vars(args).items()
+                   if k.startswith("cluster_") and v is not None)
+    if given or args.markdown:
+        raise SystemExit(f"error: {', '.join(given) or '--markdown'} need(s) --cluster")
+    mtbf_hours = LLAMA3_MTBF_HOURS if args.mtbf_hours is None else args.mtbf_hours
+    deltas = [600, 120, 60, 10, 2] if args.delta is None else args.delta
+    if not mtbf_hours > 0:
         raise SystemExit("--mtbf-hours must be > 0")
-    print(f"Young interval tau = sqrt(2 delta M), M = {args.mtbf_hours:g} h; lost work per failure = tau/2")
+    print(f"Young interval tau = sqrt(2 delta M), M = {mtbf_hours:g} h; lost work per failure = tau/2")
     rows = [
         [f"{r.delta_s:g}", f"{r.tau_s / 60:.1f}", f"{r.overhead * 100:.1f}",
          f"{r.lost_work_s / 60:.1f}", f"{r.checkpoints_per_day:.0f}"]
-        for r in young_table(args.delta, args.mtbf_hours * 3600)
+        for r in young_table(deltas, mtbf_hours * 3600)
     ]
     _print_table(["delta_s", "tau_min", "overhead_%", "lost_per_failure_min", "ckpts_per_day"], rows)
     return 0
@@ -279,7 +360,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 # name -> (help, add_arguments, run). Add new subcommands here.
 COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
-    "plan": ("Young checkpoint-interval table for given checkpoint costs", _plan_args, cmd_plan),
+    "plan": ("Young checkpoint-interval table for given checkpoint costs or a cluster's tiers",
+             _plan_args, cmd_plan),
     "simulate": ("replay a failure trace through checkpoint policies", _simulate_args, cmd_simulate),
     "summary": ("what the plugin did in a run: saves, recoveries, delta per tier", _summary_args, cmd_summary),
     "ls": ("list checkpoint steps per tier and node folder: committed, size, age", _ls_args, cmd_ls),

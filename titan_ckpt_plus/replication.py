@@ -38,16 +38,27 @@ class Part:
 class Wire:
     """Point-to-point transfers of parts on one process group."""
 
-    def __init__(self, pg, device: torch.device | None = None) -> None:
+    def __init__(self, pg, device: torch.device | None = None, reuse: bool = True) -> None:
         self.pg = pg
         self.device = device  # None: gloo, host tensors; else NCCL through this device
+        self.reuse = reuse  # False when received parts must outlive the next exchange
         self._dev_buf = None
+        self._recv_buf = bytearray()
 
     def _bytes_tensor(self, buf) -> torch.Tensor:
         mv = memoryview(buf).cast("B")
         if mv.readonly:  # manifests and layouts: small, copy them rather than alias
             mv = memoryview(bytearray(mv))
         return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
+
+    def _landing(self, n: int) -> memoryview:
+        """The received data lands in one reused host buffer (fresh pages cost as much
+        as the transfer): a received part is valid until the next exchange."""
+        if self.reuse:
+            if len(self._recv_buf) < n:
+                self._recv_buf = bytearray(n)
+            return memoryview(self._recv_buf)[:n]
+        return memoryview(bytearray(n))
 
     def _wire(self, n: int) -> torch.Tensor:
         if self._dev_buf is None or self._dev_buf.numel() < n:
@@ -87,7 +98,7 @@ class Wire:
         accept = hin is not None and not why
         ack = self._swap(peer_recv, [int(accept)], peer_send, 1)
         send = part is not None and peer_send is not None and bool(ack and ack[0])
-        incoming = [bytearray(n) for n in hin[1:]] if accept else []
+        incoming = [bytearray(hin[1]), bytearray(hin[2]), self._landing(hin[3])] if accept else []
         outgoing = [part.manifest, part.layout, part.data] if send else []
         self._move(peer_send, outgoing, peer_recv, incoming)
         if accept:
