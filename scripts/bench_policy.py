@@ -66,26 +66,17 @@ def run(seeds: int, warmup: int) -> tuple[str, list[list[str]]]:
     return setup, rows
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmd import update_section  # noqa: E402
+
+
 def markdown(setup: str, rows: list[list[str]], warmup: int) -> str:
     header = ["policy", "wasted", "vs oracle", f"vs oracle after {warmup} failures", "final interval local / PFS (steps, last seed)"]
-    lines = [SECTION, "", f"Command: `{COMMAND}`", "", setup, ""]
+    lines = [f"Command: `{COMMAND}`", "", setup, ""]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|")
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
-
-
-def update_section(path: Path, section: str) -> None:
-    """Replace our section (up to the next "## " heading) or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == SECTION), None)
-    if start is None:
-        path.write_text(text.rstrip("\n") + "\n\n" + section)
-        return
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    tail = "".join(lines[end:])
-    path.write_text("".join(lines[:start]) + section + ("\n" + tail if tail else ""))
 
 
 def main() -> None:
@@ -97,10 +88,10 @@ def main() -> None:
     t0 = time.perf_counter()
     setup, rows = run(args.seeds, args.warmup_failures)
     section = markdown(setup, rows, args.warmup_failures)
-    print(section)
+    print(SECTION + "\n\n" + section)
     print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     if args.update:
-        update_section(args.update, section)
+        update_section(args.update, SECTION, section)
 
 
 if __name__ == "__main__":

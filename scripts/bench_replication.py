@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_save import update_section  # noqa: E402
+from benchmd import update_section  # noqa: E402
 from harness import ckpt_events, events, free_port, torchrun_nodes  # noqa: E402
 
 SECTION = "## Replication and recovery"
@@ -129,7 +129,7 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if args.update:
-        update_section(args.update, body, SECTION)
+        update_section(args.update, SECTION, body)
     shutil.rmtree(base, ignore_errors=True)
 
 

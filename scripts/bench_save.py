@@ -23,6 +23,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+from benchmd import update_section  # noqa: E402
 from harness import ckpt_events, events, torchrun  # noqa: E402
 
 MODELS = {
@@ -122,19 +124,6 @@ def table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def update_section(path: Path, body: str, section: str = SECTION) -> None:
-    """Replace (or append) one `## ` section of a markdown file, leaving the rest."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{section}\n\n{body}\n"
-    if section in text:
-        start = text.index(section)
-        nxt = text.find("\n## ", start + len(section))
-        text = text[:start] + block + (text[nxt + 1:] if nxt != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -147,7 +136,7 @@ def main() -> None:
             f"local and PFS folders on the same disk).\n\n" + table(results))
     print(body)
     if args.update:
-        update_section(args.update, body)
+        update_section(args.update, SECTION, body)
 
 
 if __name__ == "__main__":

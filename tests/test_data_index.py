@@ -118,14 +118,21 @@ def test_open_refuses_a_truncated_token_file(tmp_path):
         TokenIndex.open(str(tmp_path / "k"))
 
 
+N_WORKERS = 4
+
+
 def _worker(cache, marker, out, i):
     def texts():
         with open(marker, "a") as f:  # one line per process that tokenizes
             f.write(f"{os.getpid()}\n")
-        for d in DOCS:
-            time.sleep(0.01)  # slow enough that every process arrives while it builds
-            yield d
+        deadline = time.monotonic() + 60  # build only once every process has started
+        while len([p for p in os.listdir(os.path.dirname(marker)) if p.startswith("started.")]) \
+                < N_WORKERS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # and is waiting on the lock
+        yield from DOCS
 
+    open(os.path.join(os.path.dirname(marker), f"started.{i}"), "w").close()
     idx = build_or_open(cache, "shared", texts, encode_batch, wait_log_s=0.2)
     with open(f"{out}.{i}", "w") as f:
         json.dump({"digest": idx.digest, "tokens": idx.tokens.tolist()}, f)
@@ -134,14 +141,14 @@ def _worker(cache, marker, out, i):
 def test_concurrent_processes_build_once_and_all_read_the_same_index(tmp_path):
     ctx = mp.get_context("spawn")
     cache, marker, out = str(tmp_path / "cache"), str(tmp_path / "builders"), str(tmp_path / "out")
-    procs = [ctx.Process(target=_worker, args=(cache, marker, out, i)) for i in range(4)]
+    procs = [ctx.Process(target=_worker, args=(cache, marker, out, i)) for i in range(N_WORKERS)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
     assert len(open(marker).read().split()) == 1  # exactly one process tokenized
-    results = [json.load(open(f"{out}.{i}")) for i in range(4)]
+    results = [json.load(open(f"{out}.{i}")) for i in range(N_WORKERS)]
     assert all(r == results[0] for r in results)
     assert results[0]["tokens"] == expected_tokens()
     assert sorted(os.listdir(cache)) == ["shared", "shared.lock"]

@@ -147,7 +147,7 @@ def test_seek_cost_does_not_depend_on_the_position():
     for pos in (10**2, 10**5, 10**9, 10**15):
         loader = GlobalSampleLoader(s, dp_rank=1, dp_world_size=4, local_batch_size=2,
                                     global_batch_size=16)
-        info = json.loads(loader.state_dict()[STATE_KEY])
+        info = loader._info()
         info.update(consumed=pos, stream={"n_tokens": None, "tokens_sha256": None})
         loader.load_state_dict({STATE_KEY: json.dumps(info)})
         tokens.reads.clear()
@@ -196,9 +196,14 @@ def test_bad_geometry_is_refused():
                            global_batch_size=12)
 
 
-def test_empty_and_incomplete_states():
+def test_before_the_first_batch_the_state_is_empty_so_any_saved_format_is_handed_over():
     x = loaders(1)[0]
-    x.load_state_dict({})  # nothing saved: start at 0
-    assert x.consumed == 0
+    assert x.state_dict() == {}
+    x.load_state_dict({})  # saved before the first batch: position 0
+    assert x.consumed == 0 and x.state_dict()[STATE_KEY]
+
+
+def test_incomplete_state_is_refused():
+    x = loaders(1)[0]
     with pytest.raises(DataResumeError, match="exclude_from_loading"):
         x.load_state_dict({"world_size": 1})

@@ -10,10 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import torchtitan  # noqa: F401  (the plugin installs itself when torchtitan is imported)
-import titan_ckpt_plus  # noqa: F401
-from titan_ckpt_plus import config
-from titan_ckpt_plus.adapters import torchtitan_v022 as core_adapter
+from titan_ckpt_plus import config, flavors  # before torchtitan: no full plugin install
 from titan_ckpt_plus.adapters import torchtitan_v022_data as adapter
 from titan_ckpt_plus.data.loader import STATE_KEY, DataResumeError, GlobalSampleLoader
 from titan_ckpt_plus.staging import copy_into
@@ -22,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "tests" / "configs" / "tiny_tiered.toml"
 DEMO = ROOT / "assets" / "demo" / "corpus" / "train.jsonl"
 
-core_adapter.install()
+flavors.register()
+adapter.install()  # what the plugin's install() ends with: the TrainSpec and the DCP hook
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +105,7 @@ def test_stock_per_rank_checkpoint_loads_as_is_at_the_same_dp(corpus, tokenizer,
     for _ in range(7):
         next(it)
     dcp.save({"dataloader": stock}, checkpoint_id=str(tmp_path / "stock"))
+    stock_sd = stock.state_dict()
     expected = [(b["input"].clone(), lab.clone()) for b, lab in itertools.islice(it, 6)]
 
     ours = adapter.build_dataloader(1, 0, tokenizer, cfg)
@@ -127,10 +126,14 @@ def test_stock_per_rank_checkpoint_loads_as_is_at_the_same_dp(corpus, tokenizer,
     dcp.load({"dataloader": plain}, checkpoint_id=str(tmp_path / "again"))
     assert same(batches(plain, 2), after)
 
-    # The local tier hands the saved dict to load_state_dict through copy_into.
+    # The local tier hands the saved dict to load_state_dict through copy_into, which
+    # keeps the live keys: before the first batch the live state is {}, so any format passes.
     local = adapter.build_dataloader(1, 0, tokenizer, cfg)
     local.load_state_dict(copy_into(local.state_dict(), sd, "dataloader"))
     assert local.per_rank and same(batches(local, 2), after)
+    local = adapter.build_dataloader(1, 0, tokenizer, cfg)  # torchtitan's state, no marker
+    local.load_state_dict(copy_into(local.state_dict(), stock_sd, "dataloader"))
+    assert local.per_rank and same(batches(local, 6), expected)
 
 
 def test_stock_per_rank_checkpoint_at_another_dp_is_refused_before_reading(corpus, tokenizer, tmp_path):
@@ -185,7 +188,8 @@ def test_default_global_batch_follows_the_dp_degree(corpus):
 
 
 def test_unknown_mode_is_refused(corpus, tokenizer):
-    cfg = job(corpus, "--checkpoint.dataloader_resume", "bogus")
+    cfg = job(corpus, "--checkpoint.dataloader_resume", "bogus",
+              "--checkpoint.local_folder", str(corpus / "local"))
     with pytest.raises(config.ConfigError, match="dataloader_resume = 'bogus'"):
         adapter.build_dataloader(1, 0, tokenizer, cfg)
     with pytest.raises(config.ConfigError, match="dataloader_resume"):
@@ -227,6 +231,7 @@ def test_streaming_dataset_falls_back_to_per_rank_state(corpus, tokenizer, tmp_p
         assert json.loads(ours.state_dict()[STATE_KEY])["mode"] == "per_rank"
         # A global-sample position cannot be continued on a stream that has no index.
         src = adapter.build_dataloader(1, 0, tokenizer, job(corpus))
+        batches(src, 2)
         dcp.save({"dataloader": src}, checkpoint_id=str(tmp_path / "g"))
         with pytest.raises(DataResumeError, match="streaming"):
             dcp.load({"dataloader": adapter.build_dataloader(1, 0, tokenizer, cfg)},

@@ -235,3 +235,32 @@ def install() -> None:
         else:
             ts.register_train_spec(name, new)
     dcp_hint.install()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Build the token index ahead of training (same arguments as the training job):
+
+        python -m titan_ckpt_plus.adapters.torchtitan_v022_data --job.config_file job.toml
+    """
+    import logging
+    import sys
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    install()
+    job_config = ConfigManager().parse_args(sys.argv[1:] if argv is None else argv)
+    spec = get_train_spec(job_config.model.name)
+    tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn else None
+    if tokenizer is None:
+        raise SystemExit("this job has no tokenizer ([model] hf_assets_path)")
+    stream, why = open_stream(tokenizer, job_config)
+    if stream is None:
+        raise SystemExit(f"nothing to build: {why}; its dataloader state stays per rank")
+    print(f"token index ready: {stream.identity['index']} ({stream.n_tokens} tokens, "
+          f"{stream.sequences_per_pass:.0f} sequences of seq_len {stream.seq_len} + 1 per pass)")
+
+
+if __name__ == "__main__":
+    main()

@@ -49,12 +49,11 @@ def hint_loaders(state_dict: dict, checkpoint_id=None, storage_reader=None) -> l
     if not loaders:
         return []
     keys = _metadata_keys(checkpoint_id, storage_reader)
-    if keys is None:
-        return []
     told = []
     for name, loader in loaders:
         prefix = f"{name}."
-        loader.expect_checkpoint_keys({k[len(prefix):] for k in keys if k.startswith(prefix)})
+        loader.expect_checkpoint_keys(
+            None if keys is None else {k[len(prefix):] for k in keys if k.startswith(prefix)})
         told.append(loader)
     return told
 

@@ -111,6 +111,7 @@ class GlobalSampleLoader:
         self._per_rank_factory = per_rank_factory
         self._delegate = None
         self._load_hint: dict | None = None
+        self._fresh = True  # neither iterated nor loaded yet
         self._sample_log = _SampleLog(sample_log) if sample_log else None
         if stream is None:  # e.g. a streaming dataset: per-rank from the start
             if per_rank_factory is None:
@@ -129,11 +130,13 @@ class GlobalSampleLoader:
     def __iter__(self):
         while True:
             if self._delegate is not None:
+                self._fresh = False
                 yield from self._delegate
                 return
             yield self._next_microbatch()
 
     def _next_microbatch(self):
+        self._fresh = False
         c = self.consumed
         ids = microbatch_ids(c, self.dp_rank, self.dp_world_size, self.local_batch_size)
         x = torch.from_numpy(self.stream.sequences(ids.start, len(ids)))
@@ -161,8 +164,15 @@ class GlobalSampleLoader:
                 "stream": {k: self.stream.identity.get(k) for k in ("n_tokens", "tokens_sha256")}}
 
     def state_dict(self) -> dict[str, Any]:
-        if self._load_hint is not None:  # a load is being planned: the checkpoint's shape
+        """The state to save. Two exceptions, both before the first batch: while a DCP
+        load is planned, the checkpoint's key shape (see expect_checkpoint_keys); and
+        otherwise {} (nothing consumed yet), so that a load through the local tier,
+        which keeps the live keys and copies the saved ones, hands over whatever
+        format the checkpoint holds."""
+        if self._load_hint is not None:
             return dict(self._load_hint)
+        if self._fresh:
+            return {}
         sd: dict[str, Any] = {}
         if self._delegate is not None:
             sd.update(self._delegate.state_dict())
@@ -173,7 +183,12 @@ class GlobalSampleLoader:
         """Called (by the DCP load hook) with the dataloader keys a checkpoint holds,
         before it is read: the next state_dict() returns that shape, so DCP reads our
         own state or torchtitan's per-rank state alike. Raises early when the
-        checkpoint cannot be continued by this job."""
+        checkpoint cannot be continued by this job. `keys=None` (metadata unreadable):
+        our usual keys, so that DCP reports a missing key instead of loading nothing."""
+        if keys is None:
+            self._load_hint = {STATE_KEY: ""} if self._delegate is None else {
+                f"dp_rank_{self.dp_rank}": b"", "world_size": 0, STATE_KEY: ""}
+            return
         keys = set(keys)
         stock = sorted(k for k in keys if k.startswith("dp_rank_"))
         if not stock and STATE_KEY not in keys:
@@ -204,7 +219,8 @@ class GlobalSampleLoader:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._load_hint = None
-        if not state_dict:
+        self._fresh = False
+        if not state_dict:  # saved before the first batch: position 0
             return
         info = json.loads(state_dict[STATE_KEY]) if state_dict.get(STATE_KEY) else None
         stock = sorted(k for k in state_dict if k.startswith("dp_rank_"))
