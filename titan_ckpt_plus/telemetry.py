@@ -5,10 +5,14 @@ The same records feed torchtitan's metric loggers (wandb, tensorboard) and the
 """
 
 import json
+import logging
 import math
 import os
+import queue
 import threading
 import time
+
+log = logging.getLogger("titan_ckpt_plus")
 
 PREFIX = "ckpt"
 
@@ -56,23 +60,51 @@ def metrics_of(event: str, f: dict) -> dict:
 class EventLog:
     """Appends events to the JSONL file and keeps their metrics until the training
     thread hands them to torchtitan's loggers at the current step (wandb drops a
-    value logged at a step older than the last one)."""
+    value logged at a step older than the last one).
+
+    The file lives on the PFS (beside the checkpoints), so every write to it, and
+    any other I/O handed to `submit` (the failure ledger), runs on one background
+    thread, in order: the training loop never waits on the PFS."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._pending: dict = {}
+        self._io: queue.Queue = queue.Queue()
         if path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            threading.Thread(target=self._io_loop, name="ckpt-events", daemon=True).start()
+
+    def _io_loop(self) -> None:
+        while True:
+            fn, args, kwargs = self._io.get()
+            try:
+                fn(*args, **kwargs)
+            except Exception as e:  # a record lost is not worth a crash
+                log.warning(f"[titan_ckpt_plus] event/ledger write failed: {e!r}")
+            finally:
+                self._io.task_done()
+
+    def submit(self, fn, *args, **kwargs) -> None:
+        """Run `fn` on the background I/O thread (rank 0 only; a no-op elsewhere)."""
+        if self.path:
+            self._io.put((fn, args, kwargs))
+
+    def flush(self) -> None:
+        if self.path:
+            self._io.join()
+
+    def _append(self, line: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
 
     def record(self, event: str, **fields) -> None:
         if not self.path:
             return
         line = json.dumps(dict(event=event, time=time.time(), **fields), sort_keys=True)
         metrics = {f"{PREFIX}/{k}": v for k, v in metrics_of(event, fields).items()}
+        self.submit(self._append, line)
         with self._lock:
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
             for k, v in metrics.items():
                 self._pending[k] = self._pending.get(k, 0) + v if k.startswith(f"{PREFIX}/failures/") else v
 

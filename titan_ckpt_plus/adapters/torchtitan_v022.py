@@ -80,7 +80,7 @@ class TieredCheckpointManager(_StockManager):
         self._wandb_declared = False
         self._last_heartbeat = 0.0
         if self.ledger:
-            self.ledger.start(self.incarnation, world_size=world)
+            self.events.submit(self.ledger.start, self.incarnation, t=time.time(), world_size=world)
         logger.info(f"[titan_ckpt_plus] tiers on: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
                     f"{settings.pfs_interval} steps")
@@ -114,7 +114,8 @@ class TieredCheckpointManager(_StockManager):
         """Record how this start recovered, then hand every rank the same failure
         evidence (rank 0 reads the ledger) for the interval policy."""
         evidence = None
-        if self.ledger:
+        if self.ledger:  # at start-up, before the first step: reading here is fine
+            self.events.flush()
             before = self.ledger.read(current_incarnation=self.incarnation)
             if len(before.incarnations) > 1:  # an earlier incarnation exists: a restart
                 self.ledger.recovery(self.incarnation, time.time(), tier, max(step, 0), seconds)
@@ -175,9 +176,9 @@ class TieredCheckpointManager(_StockManager):
             saved_now = self.tiered.schedule.last_local == curr_step
             if self.ledger and (saved_now or time.monotonic() - self._last_heartbeat > 5):
                 self._last_heartbeat = time.monotonic()
-                self.ledger.heartbeat(self.incarnation, step=curr_step)
+                self.events.submit(self.ledger.heartbeat, self.incarnation, t=time.time(), step=curr_step)
             if self.ledger and last_step:  # flushed: both tiers hold the last step
-                self.ledger.clean_end(self.incarnation)
+                self.events.submit(self.ledger.clean_end, self.incarnation, t=time.time())
             self._log_metrics(curr_step)
         faults.maybe_kill("kill_after_step", curr_step)
 
@@ -254,6 +255,7 @@ class TieredCheckpointManager(_StockManager):
         tiered, self.tiered = getattr(self, "tiered", None), None
         if tiered is not None:
             tiered.close()
+            self.events.flush()
         super().close()
 
 
@@ -278,6 +280,7 @@ def _record_losses(path: str | None) -> None:
 
     def logged(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         log.record("loss", step=step, loss=float(global_avg_loss))
+        log.flush()  # a test hook: written before the step ends, even if killed next
         return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
     MetricsProcessor.log = logged
