@@ -42,8 +42,7 @@ def _worker(rank: int, port: int, nbytes: int, folder: str, out) -> None:
     data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     layout = b"L" * 4096
     manifest = files.json_bytes({"rank": rank, "step": 1, "world_size": 2, "files": {
-        "data": {"size": nbytes, "crc32": __import__("zlib").crc32(data.numpy())},
-        "layout": {"size": len(layout), "crc32": __import__("zlib").crc32(layout)}}})
+        "data": files.entry(data.numpy()), "layout": files.entry(layout)}})
     part = Part(manifest, layout, data.numpy())
     wire = Wire(dist.group.WORLD)
     sink = torch.empty(nbytes, dtype=torch.uint8)

@@ -163,7 +163,7 @@ def test_verify_fails_naming_each_corrupted_file(run, tmp_path, capsys):
     assert rc == 1
     failed = [line.split()[2] for line in lines if line.startswith("FAILED")]
     assert failed == [str(bad_local), str(bad_pfs)]
-    assert all("crc32" in line for line in lines if line.startswith("FAILED"))
+    assert all("crc32c" in line for line in lines if line.startswith("FAILED"))
     assert lines[-1].endswith(" 2 FAILED, 0 unverified, 0 torn")
     # each file is named from its own step folder too; the clean rank still passes
     rc, lines = _cli(capsys, "verify", bad_local.parent)

@@ -89,7 +89,7 @@ def test_corrupt_replica_is_rejected_and_an_older_step_is_used(reference, killed
     rec = _recovery(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)
     skipped = {(t, s): why for t, s, why in rec["skipped"]}
-    assert "rank 2" in skipped[("local", 6)] and "crc32" in skipped[("local", 6)]
+    assert "rank 2" in skipped[("local", 6)] and "crc32c" in skipped[("local", 6)]
     _same_losses_from(work, reference, 5, "run2.jsonl")
 
 

@@ -102,7 +102,7 @@ def test_flipped_bytes_fall_back_to_an_older_valid_step(reference, torn):
     rec = _recovery(torn)
     assert (rec["tier"], rec["step"]) == ("local", 10)
     skipped = {(t, s): why for t, s, why in rec["skipped"]}
-    assert "crc32" in skipped[("local", 12)] and ("pfs", 12) in skipped
+    assert "crc32c" in skipped[("local", 12)] and ("pfs", 12) in skipped
     assert "skipped local step 12" in proc.stdout
     _same_losses_from(torn, reference, 11, "run3.jsonl")
 

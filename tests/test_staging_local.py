@@ -79,7 +79,7 @@ def test_local_tier_commit_verify_and_detect_flipped_byte(tmp_path):
     raw = bytearray(open(path, "rb").read())
     raw[len(raw) // 3] ^= 0x01
     open(path, "wb").write(raw)
-    with pytest.raises(files.CorruptCheckpoint, match="crc32"):
+    with pytest.raises(files.CorruptCheckpoint, match="crc32c"):
         tier.read_part(5)
 
 

@@ -290,7 +290,7 @@ Check every checksum under PATH, which may be a local step folder, a local
 root, a PFS step folder, a PFS folder, or a dump folder (its PFS folders and
 the local roots in titan_ckpt_plus/local_roots.json, plus --local-root).
 
-Local parts are checked against their rank-N.json manifests (size, CRC-32 of
+Local parts are checked against their rank-N.json manifests (size, CRC-32C of
 .data and .layout); PFS steps against titan_ckpt_plus.json. A PFS step without
 it (written by stock torchtitan) is "unverified", a part of a step without
 COMMIT.json that never got its manifest is "torn"; neither is a failure.

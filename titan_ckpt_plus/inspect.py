@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import COMMIT
 
-PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32}}}
+PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
 PLUGIN_DIR = "titan_ckpt_plus"
 EVENTS = "events.jsonl"

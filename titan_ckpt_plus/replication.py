@@ -4,7 +4,7 @@ The same exchange serves replication after a save (each rank sends its part to i
 peers while receiving its sources' parts) and recovery (a holder sends a lost part to
 the rank that needs it). What arrives is data, not instructions: the receiver bounds
 the sizes before allocating, names the files itself, parses the manifest as JSON, and
-checks sizes and CRC-32 before anything is kept or unpickled.
+checks sizes and CRC-32C before anything is kept or unpickled.
 
 On gloo the host buffers go on the wire as they are; on NCCL they pass through a
 reused device buffer in chunks, so no part is ever whole in GPU memory.

@@ -1,12 +1,15 @@
 """Durable file primitives shared by the tiers and the CLI (no torch).
 
 A checkpoint file is trusted only through a manifest written after it: size and
-CRC-32 per file, written to a temporary name, fsync'd, then renamed into place.
+CRC-32C per file, written to a temporary name, fsync'd, then renamed into place.
+CRC-32C because it runs on the CPU's own instruction (about 10 GB/s here, against
+2 GB/s for zlib's CRC-32): the checksum must not be what makes a save slow.
 """
 
 import json
 import os
-import zlib
+
+import crc32c
 
 CHUNK = 16 << 20
 
@@ -46,35 +49,47 @@ def read_json(path: str):
         return json.loads(f.read())
 
 
-def crc32_file(path: str) -> tuple[int, int]:
-    """(size, crc32) of a file, read in chunks."""
+SUM = "crc32c"  # the manifest key of a file's checksum
+
+
+def checksum(data, value: int = 0) -> int:
+    """CRC-32C of a buffer, continuing from `value` (releases the GIL)."""
+    return crc32c.crc32c(data, value)
+
+
+def entry(data) -> dict:
+    """A manifest entry for an in-memory buffer."""
+    return {"size": memoryview(data).nbytes, SUM: checksum(data)}
+
+
+def checksum_file(path: str) -> tuple[int, int]:
+    """(size, CRC-32C) of a file, read in chunks."""
     crc, size = 0, 0
     with open(path, "rb") as f:
         while chunk := f.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
+            crc = checksum(chunk, crc)
             size += len(chunk)
     return size, crc
+
+
+def _mismatch(name: str, size: int, crc: int, expect: dict) -> str:
+    return (f"{name}: size {size} {SUM} {crc:08x}, manifest says "
+            f"size {expect.get('size')} {SUM} {expect.get(SUM, 0):08x}")
 
 
 def check_file(path: str, expect: dict) -> None:
     """Raise CorruptCheckpoint unless `path` matches its manifest entry."""
     if not os.path.isfile(path):
         raise CorruptCheckpoint(f"{path}: missing")
-    size, crc = crc32_file(path)
-    if size != expect["size"] or crc != expect["crc32"]:
-        raise CorruptCheckpoint(
-            f"{path}: size {size} crc32 {crc:08x}, manifest says "
-            f"size {expect['size']} crc32 {expect['crc32']:08x}"
-        )
+    size, crc = checksum_file(path)
+    if size != expect.get("size") or crc != expect.get(SUM):
+        raise CorruptCheckpoint(_mismatch(path, size, crc, expect))
 
 
 def check_bytes(name: str, data, expect: dict) -> None:
-    crc = zlib.crc32(data)
-    if len(data) != expect["size"] or crc != expect["crc32"]:
-        raise CorruptCheckpoint(
-            f"{name}: size {len(data)} crc32 {crc:08x}, manifest says "
-            f"size {expect['size']} crc32 {expect['crc32']:08x}"
-        )
+    size, crc = memoryview(data).nbytes, checksum(data)
+    if size != expect.get("size") or crc != expect.get(SUM):
+        raise CorruptCheckpoint(_mismatch(name, size, crc, expect))
 
 
 def write_durable(path: str, data, on_chunk=None) -> dict:
@@ -87,7 +102,7 @@ def write_durable(path: str, data, on_chunk=None) -> dict:
     with open(tmp, "wb") as f:
         for start in range(0, len(view), step):
             chunk = view[start : start + step]
-            crc = zlib.crc32(chunk, crc)
+            crc = checksum(chunk, crc)
             f.write(chunk)
             if on_chunk:
                 f.flush()
@@ -95,7 +110,7 @@ def write_durable(path: str, data, on_chunk=None) -> dict:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return {"size": len(view), "crc32": crc}
+    return {"size": len(view), SUM: crc}
 
 
 def step_of(name: str) -> int | None:

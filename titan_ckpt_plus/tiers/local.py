@@ -2,7 +2,7 @@
 
     <local_folder>/step-N/rank-00003.data    the rank's staged buffer, raw bytes
                          rank-00003.layout  where each tensor lives in it (plain pickle)
-                         rank-00003.json    manifest: sizes and CRC-32 of both, step,
+                         rank-00003.json    manifest: sizes and CRC-32C of both, step,
                                             world size, layout fingerprint (written last)
                          COMMIT.json        written by the node's first rank once every
                                             rank of the job reported its part durable

@@ -1,7 +1,7 @@
 """The persistent tier: torchtitan's own DCP layout on the parallel file system.
 
     <dump_folder>/<folder>/step-N/.metadata, __R_I.distcp   written by dcp.save
-                               titan_ckpt_plus.json          size and CRC-32 per file
+                               titan_ckpt_plus.json          size and CRC-32C per file
 
 Stock torchtitan loads these steps as they are (it ignores the extra manifest) and
 DCP reshards them to another parallel layout. A step without `.metadata` is torn and
@@ -80,14 +80,14 @@ class PfsTier:
         mine = {}
         for name in sorted(os.listdir(path)):
             if name.startswith(f"__{self.rank}_"):
-                size, crc = files.crc32_file(os.path.join(path, name))
-                mine[name] = {"size": size, "crc32": crc}
+                size, crc = files.checksum_file(os.path.join(path, name))
+                mine[name] = {"size": size, files.SUM: crc}
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=pg)
         if self.rank == 0:
             allfiles = {k: v for part in gathered for k, v in part.items()}
-            size, crc = files.crc32_file(os.path.join(path, ".metadata"))
-            allfiles[".metadata"] = {"size": size, "crc32": crc}
+            size, crc = files.checksum_file(os.path.join(path, ".metadata"))
+            allfiles[".metadata"] = {"size": size, files.SUM: crc}
             files.atomic_write_json(os.path.join(path, MANIFEST), {"step": step, "files": allfiles})
         return sum(v["size"] for v in mine.values())
 
