@@ -85,11 +85,14 @@ def run_plugin(work: Path, common: list[str], every: int, steps: int) -> dict:
                     timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:]
     stages = [e for e in ckpt_events(work, "stage") if e["step"] < steps]
-    commits = [e for e in ckpt_events(work, "local_commit") if e["step"] < steps]
+    all_commits = ckpt_events(work, "local_commit")
+    commits = [e for e in all_commits if e["step"] < steps]
+    (last,) = [e for e in all_commits if e["step"] == steps]
     saves = {e["step"] for e in stages}
     after, other = step_times(work, saves)
     return {"delta": statistics.median(e["delta_s"] for e in stages),
             "commit": statistics.median(e["time_to_commit_s"] for e in commits),
+            "commit_last": last["time_to_commit_s"],
             "bytes": statistics.median(e["bytes"] for e in commits), "after": after, "other": other}
 
 
@@ -106,22 +109,35 @@ def bench(flavor: str, base: Path) -> dict:
     return out
 
 
+RANKS_PER_NODE = 2  # both ranks write to this machine's one disk
+
+
+def _verdict(ratio: float, limit: float, above: bool = False) -> str:
+    ok = ratio >= limit if above else ratio <= limit
+    return f"{ratio:.2f} {'met' if ok else 'NOT met'}"
+
+
 def table(results: list[dict]) -> str:
     rows = ["| model | bytes/rank | stock disabled delta | stock async delta | plugin delta | "
-            "plugin/async (target <= 0.5) | memcpy of the bytes | time to durable commit | "
-            "bytes / fsync'd write bw | commit / (bytes/bw) (target <= 1.5) | step during bg write "
-            "(stock async / plugin) | step otherwise (plugin) |",
+            "plugin/async (target <= 0.5) | memcpy of the bytes | node bytes / fsync'd write bw | "
+            "time to durable commit: during training / last step | ratio to the disk bound (target <= 1.5) | "
+            "step during bg write (stock async / plugin) | step otherwise (plugin) |",
             "|" + "---|" * 12]
     for r in results:
         p, a, d, lim = r["plugin"], r["async"], r["disabled"], r["limits"]
-        ideal = p["bytes"] / lim["write_Bps"]
+        ideal = RANKS_PER_NODE * p["bytes"] / lim["write_Bps"]
         rows.append(
             f"| {r['flavor']} | {p['bytes'] / 2**20:.1f} MiB | {d['delta']:.3f} s | {a['delta']:.3f} s | "
-            f"{p['delta']:.3f} s | {p['delta'] / a['delta']:.2f} {'met' if p['delta'] <= 0.5 * a['delta'] else 'NOT met'} | "
-            f"{lim['memcpy_s']:.3f} s | {p['commit']:.3f} s | {ideal:.3f} s | "
-            f"{p['commit'] / ideal:.2f} {'met' if p['commit'] <= 1.5 * ideal else 'NOT met'} | "
+            f"{p['delta']:.3f} s | {_verdict(p['delta'] / a['delta'], 0.5)} | {lim['memcpy_s']:.3f} s | "
+            f"{ideal:.3f} s | {p['commit']:.3f} s / {p['commit_last']:.3f} s | "
+            f"{_verdict(p['commit'] / ideal, 1.5)} / {_verdict(p['commit_last'] / ideal, 1.5)} | "
             f"{a['after']:.3f} / {p['after']:.3f} s | {p['other']:.3f} s |")
-    return "\n".join(rows)
+    notes = ("\n\nThe disk bound is the node's bytes (both ranks write to this machine's one disk) over "
+             "the fsync'd write bandwidth of one stream on the idle machine. \"During training\" saves "
+             "share the 2 cores with the 2 training ranks (staging copy, checksum, page-cache copy); "
+             "the last step's save runs after training stopped. On GPU nodes training runs on the "
+             "GPUs and the host cores are mostly idle, which is the last-step case.")
+    return "\n".join(rows) + notes
 
 
 def main() -> None:
