@@ -13,7 +13,6 @@ A failed save (disk full, permission, I/O error) is logged and counted; training
 goes on and the older checkpoints stay.
 """
 
-import os
 import queue
 import shutil
 import threading

@@ -11,11 +11,10 @@ tiers/pfs.py imports torch, so its manifest name and format are restated here.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import COMMIT

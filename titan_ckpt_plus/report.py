@@ -236,38 +236,3 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
     _save(fig, axes, os.path.join(out_dir, "interval.png"), rep)
     plt.close(fig)
     return rep
-    t0 = min(e["time"] for e in ev if _num(e.get("time")) is not None)
-    span = max(e["time"] for e in iv) - t0
-    unit, scale = ("h", 3600.0) if span > 7200 else ("min", 60.0) if span > 120 else ("s", 1.0)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
-    when = lambda r: (r["time"] - t0) / scale  # noqa: E731
-    for tier in sorted({str(e.get("tier", "?")) for e in iv}):
-        rows = [e for e in iv if str(e.get("tier", "?")) == tier]
-        for ax, key, label in ((axes[0], "steps", f"{tier} interval"), (axes[1], "tau_s", f"{tier} tau")):
-            pts = [(when(r), _num(r.get(key))) for r in rows if _num(r.get(key)) is not None]
-            if pts:
-                _plot(ax, rep, "interval", label, [p[0] for p in pts], [p[1] for p in pts],
-                      broken=False, drawstyle="steps-post")
-    mtbf: dict[str, tuple[list, list]] = {}
-    for r in iv:
-        m = r.get("mtbf_s")
-        per_class = m if isinstance(m, dict) else {str(r.get("class") or r.get("tier", "?")): m}
-        for cls, v in per_class.items():
-            if _num(v) is not None:
-                xs, ys = mtbf.setdefault(str(cls), ([], []))
-                xs.append(when(r))
-                ys.append(_num(v) / 3600)
-    for cls, (xs, ys) in sorted(mtbf.items()):
-        _plot(axes[2], rep, "interval", f"MTBF {cls}", xs, ys, broken=False, drawstyle="steps-post")
-    if not mtbf:
-        rep.notes.append("\"interval\" records carry no finite mtbf_s: MTBF panel left empty")
-    for i, ax in enumerate(axes):
-        _mark_events(ax, rep, f"interval[{i}]", ev, "time", t0, scale)
-    log = lambda ax: ", log scale" if ax.get_yscale() == "log" else ""  # noqa: E731
-    axes[0].set(title=f"Checkpoint interval per tier - {title_run}", ylabel="interval (steps)")
-    axes[1].set(title="Target compute time between checkpoints (tau)", ylabel=f"tau (s{log(axes[1])})")
-    axes[2].set(title="MTBF estimate per failure class", ylabel=f"MTBF (h{log(axes[2])})",
-                xlabel=f"wall time since the first record ({unit})")
-    _save(fig, axes, os.path.join(out_dir, "interval.png"), rep)
-    plt.close(fig)
-    return rep
