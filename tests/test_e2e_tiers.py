@@ -57,14 +57,21 @@ def test_both_tiers_written_at_their_intervals(reference):
     assert len(losses(reference)) == STEPS
 
 
-def test_stock_torchtitan_resumes_from_a_drained_pfs_step(reference, tmp_path):
-    (tmp_path / "dump" / "checkpoint").mkdir(parents=True)
-    shutil.copytree(reference / "dump" / "checkpoint" / "step-8", tmp_path / "dump" / "checkpoint" / "step-8")
-    proc = _ok(torchrun(tmp_path, "--checkpoint.no-tier-local"))
+def test_stock_torchtitan_resumes_from_a_drained_pfs_step(tmp_path):
+    """A PFS step drained by the plugin, loaded by torchtitan's own CheckpointManager
+    (tier_local = false). The tiered run keeps torchtitan's per-rank dataloader state
+    (dataloader_resume = "per_rank") so that stock torchtitan can load every key; with
+    the default global-sample state stock torchtitan needs exclude_from_loading =
+    ["dataloader"] (docs/data_resumption.md)."""
+    ref, stock = tmp_path / "ref", tmp_path / "stock"
+    _ok(torchrun(ref, "--checkpoint.dataloader_resume=per_rank"))
+    (stock / "dump" / "checkpoint").mkdir(parents=True)
+    shutil.copytree(ref / "dump" / "checkpoint" / "step-8", stock / "dump" / "checkpoint" / "step-8")
+    proc = _ok(torchrun(stock, "--checkpoint.no-tier-local"))
     assert "Loading the checkpoint from" in proc.stdout and "[titan_ckpt_plus] tiers on" not in proc.stdout
-    _same_losses_from(tmp_path, reference, 9, "losses.jsonl")
-    assert not (tmp_path / "local").exists()
-    assert not list((tmp_path / "dump" / "checkpoint").glob("step-12/titan_ckpt_plus.json"))
+    _same_losses_from(stock, ref, 9, "losses.jsonl")
+    assert not (stock / "local").exists()
+    assert not list((stock / "dump" / "checkpoint").glob("step-12/titan_ckpt_plus.json"))
 
 
 def test_sigkill_mid_training_resumes_bit_exact_from_newest_local_step(reference, tmp_path):

@@ -4,7 +4,7 @@
 `build_dataloader_fn` (model flavors still resolve: the spec keeps llama3's model-args
 dict) and installs the DCP load hook of `titan_ckpt_plus.data.dcp_hint`.
 
-`build_dataloader` is active when `[checkpoint] enable = true` and
+`build_dataloader` is active when `[checkpoint] enable = true`, `tier_local = true` and
 `[checkpoint] dataloader_resume = "global_samples"` (the default); otherwise it returns
 torchtitan's own per-rank loader, unchanged. Active, it
 
@@ -188,8 +188,8 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, *,
                               tokenizer=tokenizer, job_config=job_config, **kwargs)
     ckpt = job_config.checkpoint
     mode = check_mode(ckpt)
-    if not ckpt.enable or mode == "per_rank":
-        return stock()
+    if not (ckpt.enable and getattr(ckpt, "tier_local", False)) or mode == "per_rank":
+        return stock()  # plugin off: torchtitan's loader, so the files stay stock
     global_batch = resolve_global_batch(job_config, dp_world_size)
     if tokenizer is None:
         raise ConfigError("[checkpoint] dataloader_resume = \"global_samples\" needs a tokenizer "
