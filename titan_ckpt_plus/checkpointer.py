@@ -75,6 +75,7 @@ class _Job:
     staged: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
     staging_s: float = 0.0
+    progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
 
 
 @dataclass
@@ -155,6 +156,7 @@ class TieredCheckpointer:
             self.buffer.ensure(job.layout.total_bytes)
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
+            job.progress.fail()
             self._failed("local", step, f"staging: {e!r}")
         if tensors is None:
             job.staged.set()  # the failed job still goes to the writer: it must vote
@@ -176,9 +178,10 @@ class TieredCheckpointer:
 
     def _copy(self, job: _Job, tensors) -> None:
         try:
-            self.buffer.copy_in(job.layout, tensors)
+            self.buffer.copy_in(job.layout, tensors, job.progress)
             job.ok = True
         except Exception as e:
+            job.progress.fail()
             self._failed("local", job.step, f"staging copy: {e!r}")
         finally:
             job.staging_s = time.monotonic() - job.started
@@ -318,22 +321,29 @@ class TieredCheckpointer:
         self._write_q.task_done()
 
     def _write(self, job: _Job) -> None:
-        job.staged.wait()
+        """The local write follows the staging copy chunk by chunk, so a step is
+        durable about one write after the save began, not one copy plus one write."""
         t0 = time.monotonic()
         nbytes, own = 0, None
-        if job.ok:
+        if job.layout is not None:  # planned; the copy may still be running
             try:
                 meta = {"fingerprint": job.layout.fingerprint(), "layout_tag": self.s.layout_tag}
                 data = self.buffer.data[: job.layout.total_bytes].numpy()
                 layout_bytes = job.layout.to_bytes()
                 manifest = self.local.write_part(
                     job.step, layout_bytes, data, meta,
-                    on_chunk=lambda _n: self._write_faults(job.step))
+                    on_chunk=lambda _n: self._write_faults(job.step),
+                    before_chunk=job.progress.wait)
                 own = Part(manifest, layout_bytes, data)
                 nbytes = own.nbytes()
             except Exception as e:
-                job.ok = False
-                self._failed("local", job.step, repr(e))
+                if not job.progress.failed:  # a failed copy was counted by _copy
+                    self._failed("local", job.step, repr(e))
+                own = None
+        job.staged.wait()
+        if not job.ok:
+            own = None
+        job.ok = own is not None
         write_s = time.monotonic() - t0
         if self.placement is not None:
             job.ok = self._replicate(job, own) and job.ok

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,34 @@ def tensor_view(buffer: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     return buffer[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)
 
 
+class StagingProgress:
+    """How far the staging copy has got, so the local write can follow right behind
+    it instead of waiting for the whole copy."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.done = 0
+        self.failed = False
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self.done = upto
+            self._cv.notify_all()
+
+    def fail(self) -> None:
+        with self._cv:
+            self.failed = True
+            self._cv.notify_all()
+
+    def wait(self, upto: int) -> None:
+        """Block until the first `upto` bytes are staged; raise if staging failed."""
+        with self._cv:
+            while self.done < upto and not self.failed:
+                self._cv.wait()
+            if self.done < upto:
+                raise RuntimeError("staging failed before these bytes were copied")
+
+
 class HostBuffer:
     """A reusable host buffer; grows when the state grows, pinned when a GPU is used."""
 
@@ -128,14 +157,21 @@ class HostBuffer:
             self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         return self.data
 
-    def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor]) -> None:
-        """The blocking copy; on GPUs the copies are queued and synchronized once."""
+    def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],
+                progress: StagingProgress | None = None) -> None:
+        """The blocking copy; on GPUs the copies are queued and synchronized once (and
+        progress is reported at the end), on CPU progress is reported per tensor."""
         buf = self.ensure(layout.total_bytes)
-        for e, t in zip(layout.entries, tensors):
+        for i, (e, t) in enumerate(zip(layout.entries, tensors)):
             if e.nbytes:
                 tensor_view(buf, e).copy_(t, non_blocking=self.pin)
+            if progress is not None and not self.pin:
+                nxt = layout.entries[i + 1].offset if i + 1 < len(layout.entries) else layout.total_bytes
+                progress.advance(nxt)
         if self.pin and torch.cuda.is_available():
             torch.cuda.synchronize()
+        if progress is not None:
+            progress.advance(layout.total_bytes)
 
 
 def rebuild(layout: StateLayout, buffer: torch.Tensor, specs: dict | None = None) -> Any:

@@ -92,9 +92,11 @@ def check_bytes(name: str, data, expect: dict) -> None:
         raise CorruptCheckpoint(_mismatch(name, size, crc, expect))
 
 
-def write_durable(path: str, data, on_chunk=None) -> dict:
+def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:
     """Write `data` (a buffer) to `path` via a temporary name, fsync'd; returns its
-    manifest entry. `on_chunk(bytes_written)` runs between chunks (fault injection)."""
+    manifest entry. `before_chunk(end)` may block until data[:end] is ready (the
+    write follows the staging copy); `on_chunk(bytes_written)` runs between chunks
+    (fault injection)."""
     view = memoryview(data).cast("B")
     step = min(CHUNK, max(4096, len(view) // 2))
     crc = 0
@@ -102,6 +104,8 @@ def write_durable(path: str, data, on_chunk=None) -> dict:
     with open(tmp, "wb") as f:
         for start in range(0, len(view), step):
             chunk = view[start : start + step]
+            if before_chunk:
+                before_chunk(start + len(chunk))
             crc = checksum(chunk, crc)
             f.write(chunk)
             if on_chunk:

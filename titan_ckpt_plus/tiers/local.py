@@ -40,7 +40,7 @@ class LocalTier:
         return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
 
     def write_part(self, step: int, layout_bytes: bytes, data, meta: dict,
-                   on_chunk=None) -> bytes:
+                   on_chunk=None, before_chunk=None) -> bytes:
         """Write this rank's part durably; returns its manifest's bytes (what a
         replica receiver stores as is). Raises on I/O error."""
         os.makedirs(self.step_dir(step), exist_ok=True)
@@ -48,7 +48,7 @@ class LocalTier:
         manifest = dict(meta, step=step, rank=self.rank, world_size=self.world_size,
                         written_at=time.time())
         manifest["files"] = {
-            "data": files.write_durable(self._part(step, "data"), data, on_chunk),
+            "data": files.write_durable(self._part(step, "data"), data, on_chunk, before_chunk),
             "layout": files.write_durable(self._part(step, "layout"), layout_bytes),
         }
         raw = files.json_bytes(manifest)
