@@ -32,6 +32,19 @@ def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nn
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
 
+def run_without_torch(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter, then fail unless it imported no torch module:
+    the CLI and the policy room must work on a machine without a training stack."""
+    check = ("\nimport sys as _s\n"
+             "_bad = sorted(n for n in _s.modules if n == 'torch' or n.startswith('torch.'))\n"
+             "assert not _bad, _bad\n")
+    proc = subprocess.run([sys.executable, "-c", code + check], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 def free_port() -> int:
     import socket
 

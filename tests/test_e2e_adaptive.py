@@ -26,7 +26,7 @@ def test_failure_lands_in_the_ledger_and_moves_the_interval(tmp_path):
     assert first.returncode != 0
     run1 = ckpt_events(tmp_path, "interval")
     assert run1 and all(e["evidence"] == {"any": [0, 0.0], "unrecoverable_local": [0, 0.0]}
-                        or e["evidence"] == {} for e in run1)
+                        for e in run1)  # a first incarnation has seen no failure
     second = torchrun(tmp_path, *ADAPT)
     assert second.returncode == 0, second.stdout[-3000:]
 

@@ -62,7 +62,6 @@ class SaveStats:
     failed_replicas: int = 0
     last_committed: int = -1
     last_drained: int = -1
-    deltas: list = field(default_factory=list)
 
 
 @dataclass
@@ -199,7 +198,6 @@ class TieredCheckpointer:
             self._copy_thread = None
         delta = self._pending_delta + time.monotonic() - t0
         self._pending_delta = 0.0
-        self.stats.deltas.append(delta)
         self.events.record("stage", step=self._pending_step, tier="local", delta_s=delta,
                            wait_prev_s=self._pending_wait)
         if self.policy is not None:
