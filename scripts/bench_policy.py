@@ -67,7 +67,21 @@ def run(seeds: int, warmup: int) -> tuple[str, list[list[str]]]:
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmd import update_section  # noqa: E402
+from benchmd import record_targets, update_section  # noqa: E402
+
+
+def targets(rows: list[list[str]], warmup: int) -> list[tuple]:
+    """Issue 4: a prior 10x off either way ends within 1.05x of the oracle after
+    `warmup` failures, and beats every fixed interval not tuned to the true MTBF."""
+    after = {r[0]: float(r[3]) for r in rows}
+    untuned = [after["fixed 500"], after["fixed 2000"]]
+    out = []
+    for label in ("adaptive, prior 0.1x MTBF", "adaptive, prior 10x MTBF"):
+        out.append((f"{label}: waste / oracle's after {warmup} failures", f"{after[label]:.3f}",
+                    "<= 1.05", after[label] <= 1.05))
+        out.append((f"{label}: beats untuned fixed 500 and 2000", f"{after[label]:.3f} vs "
+                    f"{min(untuned):.3f}", "lower", after[label] < min(untuned)))
+    return out
 
 
 def markdown(setup: str, rows: list[list[str]], warmup: int) -> str:
@@ -87,6 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     t0 = time.perf_counter()
     setup, rows = run(args.seeds, args.warmup_failures)
+    record_targets("policy", targets(rows, args.warmup_failures))
     section = markdown(setup, rows, args.warmup_failures)
     print(SECTION + "\n\n" + section)
     print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)

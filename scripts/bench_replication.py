@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from benchmd import update_section  # noqa: E402
+from benchmd import record_targets, update_section  # noqa: E402
 from harness import ckpt_events, events, free_port, torchrun_nodes  # noqa: E402
 
 SECTION = "## Replication and recovery"
@@ -122,11 +122,19 @@ def main() -> None:
         "step 7 (local step 6 committed with replicas, PFS step 4):", "",
         "| recovered from | tier | step | restart to first step | of which recovery | bytes local disk "
         "| bytes from peers | bytes PFS |", "|---|---|---|---|---|---|---|---|"]
+    rows = [("replica transfer / raw gloo send/recv, same bytes", f"{t['raw'] / t['ours']:.2f} "
+             f"({mbps(t['ours']):.0f} / {mbps(t['raw']):.0f} MiB/s)", ">= 0.70", t["raw"] / t["ours"] >= 0.7)]
     for r in restarts(base / "restarts"):
+        need_pfs = r["source"] == "PFS"
+        rows.append((f"restart to first step, from {r['source']}", f"{r['restart_to_first_step_s']:.1f} s "
+                     f"(recovery {r['recovery_s']:.2f} s; PFS bytes {r['pfs']})",
+                     "reported" if need_pfs else "0 bytes from the PFS",
+                     None if need_pfs else r["pfs"] == 0))
         lines.append(f"| {r['source']} | {r['tier']} | {r['step']} | {r['restart_to_first_step_s']:.1f} s | "
                      f"{r['recovery_s']:.2f} s | {r['local']} | {r['peer']} | {r['pfs']} |")
     body = "\n".join(lines)
     print(body)
+    record_targets("replication", rows)
     if args.update:
         update_section(args.update, SECTION, body)
     shutil.rmtree(base, ignore_errors=True)

@@ -15,3 +15,43 @@ def update_section(path: Path, title: str, body: str) -> None:
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     tail = "".join(lines[end:])
     path.write_text("".join(lines[:start]) + block + ("\n" + tail if tail else ""))
+
+
+# ---- the targets table: every script records its targets, one table shows them all ----
+
+TARGETS_DIR = Path(__file__).resolve().parent.parent / "outputs" / "bench-targets"
+TARGETS_SECTION = "## Targets"
+
+
+def record_targets(name: str, rows: list[tuple]) -> None:
+    """Rows (what, measured, target, met: bool | None) of one script's run, kept for
+    the targets table that scripts/bench_all.sh writes after every script ran."""
+    import json
+
+    TARGETS_DIR.mkdir(parents=True, exist_ok=True)
+    (TARGETS_DIR / f"{name}.json").write_text(json.dumps([list(r) for r in rows], indent=1))
+
+
+def targets_table(names: list[str]) -> str:
+    import json
+
+    lines = ["| benchmark | what | measured | target | met? |", "|---|---|---|---|---|"]
+    for name in names:
+        path = TARGETS_DIR / f"{name}.json"
+        if not path.exists():
+            lines.append(f"| {name} | (did not run) | | | |")
+            continue
+        for what, measured, target, met in json.loads(path.read_text()):
+            verdict = "reported" if met is None else ("met" if met else "**NOT met**")
+            lines.append(f"| {name} | {what} | {measured} | {target} | {verdict} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    body = ("Every target of the issues, from the run of `./scripts/bench_all.sh` that wrote the "
+            "sections below (same machine, same run).\n\n" + targets_table(names))
+    print(body)
+    update_section(out, TARGETS_SECTION, body)

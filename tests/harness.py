@@ -13,13 +13,13 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nnodes: int = 1,
              node_rank: int = 0, port: int = 0, timeout: int = 300, loss_log: str = "losses.jsonl",
-             config: Path = CONFIG) -> subprocess.CompletedProcess:
+             config: Path = CONFIG, env: dict | None = None) -> subprocess.CompletedProcess:
     """One torchrun invocation of the test job with its dump and local folders under
     `workdir`; returns the finished process (stdout and stderr together)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(ROOT),
                TITAN_CKPT_LOSS_LOG=str(workdir / loss_log), TITAN_CKPT_FAULT=fault,
-               WANDB_MODE="offline")
+               WANDB_MODE="offline", **(env or {}))
     if nnodes == 1:
         launch = ["--standalone"]
     else:
@@ -54,7 +54,8 @@ def free_port() -> int:
 
 
 def torchrun_nodes(workdir: Path, *overrides: str, nnodes: int = 2, nproc: int = 2,
-                   fault: str = "", loss_log: str = "losses.jsonl", timeout: int = 300) -> list:
+                   fault: str = "", loss_log: str = "losses.jsonl", timeout: int = 300,
+                   env: dict | None = None) -> list:
     """`nnodes` torchrun agents on this machine (a c10d rendezvous on 127.0.0.1),
     each node with its own local folder; returns each agent's finished process."""
     import concurrent.futures as cf
@@ -62,7 +63,7 @@ def torchrun_nodes(workdir: Path, *overrides: str, nnodes: int = 2, nproc: int =
     port = free_port()
     with cf.ThreadPoolExecutor(nnodes) as pool:
         futs = [pool.submit(torchrun, workdir, *overrides, nproc=nproc, fault=fault, nnodes=nnodes,
-                            node_rank=n, port=port, timeout=timeout, loss_log=loss_log)
+                            node_rank=n, port=port, timeout=timeout, loss_log=loss_log, env=env)
                 for n in range(nnodes)]
         return [f.result() for f in futs]
 
@@ -83,6 +84,22 @@ def events(path: Path, kind: str | None = None) -> list[dict]:
 def losses(workdir: Path, name: str = "losses.jsonl") -> dict[int, float]:
     """step -> loss; a later incarnation's value for a step overrides an earlier one."""
     return {r["step"]: r["loss"] for r in events(workdir / name, "loss")}
+
+
+def sample_records(path: Path) -> list[dict]:
+    """What TITAN_CKPT_SAMPLE_LOG wrote: one record per rank and microbatch."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def by_step(recs: list[dict]) -> dict[int, list[int]]:
+    """step -> the step's sequence ids, microbatch-major then DP rank."""
+    from collections import defaultdict
+
+    steps = defaultdict(list)
+    for r in recs:
+        steps[r["step"]].append(r)
+    return {s: [i for r in sorted(rs, key=lambda r: (r["microbatch"], r["dp_rank"]))
+                for i in r["seq_ids"]] for s, rs in steps.items()}
 
 
 def ckpt_events(workdir: Path, kind: str) -> list[dict]:

@@ -51,6 +51,7 @@ def test_unknown_key_names_the_key(tmp_path):
     (["--checkpoint.keep_latest_k", "1"], "keep_latest_k = 1"),
     (["--checkpoint.local_folder", ""], "needs a node-local folder"),
     (["--checkpoint.local_folder", "/x/{rack}"], "unknown placeholder"),
+    (["--checkpoint.preemption_grace_s", "-1"], "preemption_grace_s = -1"),
 ])
 def test_bad_values_fail_naming_key_and_fix(tmp_path, cli, key):
     cfg = _parse(tmp_path, *cli)

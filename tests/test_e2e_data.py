@@ -6,14 +6,13 @@ recording the global sequence ids it consumes (TITAN_CKPT_SAMPLE_LOG).
 """
 
 import itertools
-import json
 import os
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from harness import ROOT, losses, torchrun
+from harness import ROOT, by_step, losses, torchrun
+from harness import sample_records as records
 
 pytestmark = pytest.mark.e2e
 G = 12
@@ -50,19 +49,6 @@ def run(work: Path, corpus: Path, nproc: int, *overrides: str, samples: str = "s
 def _ok(proc):
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc
-
-
-def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def by_step(recs: list[dict]) -> dict[int, list[int]]:
-    """step -> the step's sequence ids, microbatch-major then DP rank."""
-    steps = defaultdict(list)
-    for r in recs:
-        steps[r["step"]].append(r)
-    return {s: [i for r in sorted(rs, key=lambda r: (r["microbatch"], r["dp_rank"]))
-                for i in r["seq_ids"]] for s, rs in steps.items()}
 
 
 def test_dp_2_then_1_then_3_consumes_every_sequence_exactly_once(corpus, tmp_path):

@@ -149,3 +149,29 @@ def test_placement_by_failure_domain():
     with pytest.raises(PlacementError, match="needs 3 failure domains"):
         ReplicaPlacement(4, 2, 2, hosts)
     assert ReplicaPlacement(6, 2, 2, ("a", "a", "b", "b", "c", "c")).peers(5) == [1, 3]
+
+
+def test_discarding_an_uncommitted_step_frees_its_files_and_keeps_the_rest(tmp_path):
+    tier = LocalTier(str(tmp_path), 0, 1, True, 2)
+    _write(tier, 2, _state())
+    tier.commit(2, {})
+    _write(tier, 4, _state())  # the ranks did not commit step 4
+    tier.discard(4, held=[])
+    assert tier.steps() == [2] and tier.committed_steps() == [2]
+    tier.discard(6, held=[])  # nothing there: a no-op
+
+
+def test_durable_write_of_a_page_aligned_buffer_with_a_ragged_tail(tmp_path):
+    """The staging buffer's path: O_DIRECT for whole pages (where the file system
+    takes it), then the tail; the file and its checksum are the bytes given."""
+    from titan_ckpt_plus.staging import HostBuffer
+    from titan_ckpt_plus.tiers import files
+
+    n = (3 << 20) + 123
+    buf = HostBuffer(pin=False).ensure(n)
+    assert buf.data_ptr() % files.PAGE == 0
+    buf.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
+    for data in (buf.numpy(), bytes(buf.numpy()[1:])):  # aligned; unaligned (buffered)
+        entry = files.write_durable(str(tmp_path / "part.data"), data)
+        assert (tmp_path / "part.data").read_bytes() == bytes(data)
+        assert entry == files.entry(data)

@@ -30,7 +30,7 @@ from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
-from titan_ckpt_plus.tiers.pfs import PfsTier, _all_true, agree
+from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
 
@@ -75,6 +75,8 @@ class _Job:
     ok: bool = False
     staging_s: float = 0.0
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
+    committed: bool = False
+    memory: Any = None  # the staged bytes, kept only when the local write failed
 
 
 @dataclass
@@ -116,6 +118,11 @@ class TieredCheckpointer:
         self.policy = policy
         # Main-thread only: the interval decision must be the same on every rank.
         self.policy_pg = dist.new_group(backend="gloo") if policy is not None else None
+        # Main-thread only, one small all-reduce per step, overlapped with the next step.
+        self.preempt_pg = dist.new_group(backend="gloo")
+        self._preempt_flag: torch.Tensor | None = None
+        self._preempt_work = None
+        self._last_committed_job: _Job | None = None
         self._started = time.monotonic()
         self._last_step_call: tuple[int, float] | None = None
         self._step_time = 0.0
@@ -176,6 +183,7 @@ class TieredCheckpointer:
             self.flush()
 
     def _copy(self, job: _Job, tensors) -> None:
+        faults.maybe_kill("kill_during_staging", job.step)
         try:
             self.buffer.copy_in(job.layout, tensors, job.progress)
             job.ok = True
@@ -224,6 +232,45 @@ class TieredCheckpointer:
                            write_local_s=m.write_local_s, write_pfs_s=m.write_pfs_s,
                            uptime_s=m.uptime_s, evidence=self.policy.evidence)
 
+    def preemption_agreed(self, noticed: bool) -> bool:
+        """Collective, called once per step: whether any rank had noticed a preemption
+        by its previous call. The all-reduce started here completes during the next
+        step, so the training loop never waits for it, and every rank gets the same
+        answer at the same step."""
+        agreed = False
+        if self._preempt_work is not None:
+            self._preempt_work.wait()
+            agreed = bool(self._preempt_flag.item())
+        self._preempt_flag = torch.tensor([int(noticed)], dtype=torch.int32)
+        self._preempt_work = dist.all_reduce(self._preempt_flag, op=dist.ReduceOp.MAX,
+                                             group=self.preempt_pg, async_op=True)
+        return agreed
+
+    def promote_newest(self, deadline: float) -> tuple[int, str]:
+        """Collective, at a preemption: finish the saves in flight, then copy the newest
+        committed local step to the PFS unless it is there already or the drain would
+        not fit before `deadline` (the next allocation may not have these nodes' disks).
+        Returns (the step now newest on the PFS, or -1; what was done)."""
+        self.flush()
+        job = self._last_committed_job
+        estimate = self._last_write["pfs"] or 2 * self._last_write["local"]
+        t = torch.tensor([estimate, time.monotonic() - deadline], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.preempt_pg)  # worst rank
+        estimate, remaining = float(t[0]), -float(t[1])
+        on_pfs = self.pfs.steps()
+        newest_pfs = on_pfs[-1] if on_pfs else -1
+        if job is None or job.step <= newest_pfs:
+            return newest_pfs, "the newest local step is already on the PFS"
+        if estimate > remaining:
+            return newest_pfs, (f"not promoting local step {job.step}: the drain takes about "
+                                f"{estimate:.1f}s, {remaining:.1f}s of grace left")
+        self._draining.add(job.step)
+        self._drain_q.put(job)
+        self._drain_q.join()
+        if self.stats.last_drained == job.step:
+            return job.step, f"promoted local step {job.step} to the PFS"
+        return newest_pfs, f"promoting local step {job.step} failed (see above)"
+
     def flush(self) -> None:
         """Wait until every queued local write and PFS drain is done."""
         self.wait_for_staging()
@@ -232,6 +279,9 @@ class TieredCheckpointer:
 
     def close(self) -> None:
         self.flush()
+        if self._preempt_work is not None:
+            self._preempt_work.wait()
+            self._preempt_work = None
         self._write_q.put(None)
         self._drain_q.put(None)
         self._writer.join()
@@ -339,18 +389,32 @@ class TieredCheckpointer:
                     self._failed("local", job.step, repr(e))
                 own = None
         job.staged.wait()
+        staged_ok = job.ok
         if not job.ok:
             own = None
         job.ok = own is not None
         write_s = time.monotonic() - t0
         if self.placement is not None:
             job.ok = self._replicate(job, own) and job.ok
+        if job.pfs_due and staged_ok and own is None:
+            # The local disk failed this step: keep the staged bytes for the PFS drain,
+            # so a full or broken local disk does not stop the persistent tier.
+            job.memory = self.buffer.data[: job.layout.total_bytes].clone()
         self._buffer_free.set()
         # Every rank reaches this all-reduce, failed or not, so the groups stay in step.
-        if not _all_true(job.ok, self.commit_pg):
+        committed, drainable = all_ranks([job.ok, own is not None or job.memory is not None],
+                                         self.commit_pg)
+        if not committed:
             if job.ok:
                 self._failed("local", job.step, "another rank's part failed")
+            if job.pfs_due and drainable:
+                self._draining.add(job.step)
+                self._drain_q.put(job)  # from this rank's uncommitted part or memory
+            else:
+                self._discard(job.step)
             return
+        job.committed = True
+        self._last_committed_job = job
         self.local.commit(job.step, {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
                                      "node_ranks": self.s.node_ranks})
         self.stats.saves += 1
@@ -371,6 +435,14 @@ class TieredCheckpointer:
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
 
+    def _discard(self, step: int) -> None:
+        """A step the ranks did not commit: its parts here would only fill the disk."""
+        try:
+            held = self.placement.sources(self.s.rank) if self.placement else []
+            self.local.discard(step, held)
+        except OSError as e:
+            log.warning(f"[titan_ckpt_plus] could not remove uncommitted local step {step}: {e!r}")
+
     @staticmethod
     def _write_faults(step: int) -> None:
         faults.maybe_kill("kill_during_local_write", step)
@@ -380,6 +452,7 @@ class TieredCheckpointer:
         """Send this rank's part to its peers and store its sources' parts, verified
         and fsync'd, before the commit vote: a committed step never relies on a
         half-sent copy. Runs on every rank, failed or not, to keep the group in step."""
+        faults.maybe_kill("kill_during_replication", job.step)
         t0, ok, received = time.monotonic(), True, 0
         limit = 4 * (own.nbytes() if own else 0) + (64 << 20)
         peers, sources = self.placement.peers(self.s.rank), self.placement.sources(self.s.rank)
@@ -404,8 +477,13 @@ class TieredCheckpointer:
         while (job := self._drain_q.get()) is not None:
             try:
                 self._drain(job)
+            except BaseException as e:  # the drainer must outlive any one drain
+                self._failed("pfs", job.step, f"unexpected: {e!r}")
             finally:
+                job.memory = None
                 self._draining.discard(job.step)
+                if not job.committed:
+                    self._discard(job.step)
                 self._drain_q.task_done()
         self._drain_q.task_done()
 
@@ -414,19 +492,23 @@ class TieredCheckpointer:
         t0 = time.monotonic()
         state, why = None, ""
         try:
-            layout_bytes, data, _ = self.local.read_part(job.step)
-            layout = staging.StateLayout.from_bytes(layout_bytes)
-            buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+            if job.memory is not None:
+                layout, buf = job.layout, job.memory
+            else:
+                layout_bytes, data, _ = self.local.read_part(job.step)
+                layout = staging.StateLayout.from_bytes(layout_bytes)
+                buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
             state = staging.rebuild(layout, buf, job.specs)
             faults.maybe_fail("eio_pfs_write", job.step)
         except Exception as e:
             state, why = None, repr(e)
-        if not _all_true(state is not None, self.drain_pg):
+        if not all_ranks([state is not None], self.drain_pg)[0]:
             self._failed("pfs", job.step, why or "another rank could not read its part")
             return
         try:
-            nbytes = self.pfs.save(job.step, state, self.drain_pg)
-        except Exception as e:
+            nbytes = self.pfs.save(job.step, state, self.drain_pg,
+                                   before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step))
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
             self._failed("pfs", job.step, repr(e))
             return
         self.stats.drains += 1

@@ -64,6 +64,12 @@ class Checkpoint:
     interval_formula: str = "young"
     """"young": sqrt(2 delta M); "daly": sqrt(2 delta (M + R)) - delta, R the measured restart time."""
 
+    preemption_grace_s: float = 25.0
+    """On SIGTERM (a preemption notice) the job finishes the save in flight, copies its
+    newest local step to the PFS if that fits, and stops within this many seconds.
+    Keep it below the launcher's kill timeout (torchrun's --shutdown_timeout, 30 s by
+    default). 0 leaves SIGTERM to the default handler (the job dies at once)."""
+
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
     the same on every rank: resumable at any DP degree) or "per_rank" (torchtitan's
@@ -166,6 +172,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] replication_backend = {ckpt.replication_backend!r} is unknown. "
             'Fix: "gloo", or "nccl" on GPUs.')
+    if not ckpt.preemption_grace_s >= 0:
+        raise ConfigError(
+            f"[checkpoint] preemption_grace_s = {ckpt.preemption_grace_s} is invalid. "
+            "Fix: the seconds a preempted job may take to stop (e.g. 25), or 0 to die at once.")
     _validate_adaptive(ckpt)
     local = resolve_local_folder(ckpt.local_folder)
     pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))

@@ -2,10 +2,14 @@
 
     TITAN_CKPT_FAULT="kill_after_step@7:1,kill_during_local_write@10"
 
-kinds: kill_after_step (after step N's save call), kill_during_local_write (after
-the first chunk of step N's local data file), enospc_local_write (that write fails
-with "No space left on device"), eio_pfs_write (step N's PFS drain fails with an I/O
-error); `:R` limits it to global rank R. Only the first incarnation fires
+kinds (SIGKILL unless said): kill_after_step (after step N's save call),
+kill_during_staging (before step N's staging copy), kill_during_local_write (after
+the first chunk of step N's local data file), kill_during_replication (before step
+N's part is sent to its peers), kill_during_pfs_write (in step N's dcp.save, before this
+rank's data files); enospc_local_write (that write fails with "No space left on device"),
+eio_pfs_write (step N's PFS drain fails with an I/O error); sigterm_after_step (SIGTERM
+to the launcher, as a scheduler's preemption notice: torchrun forwards it to every
+worker). `:R` limits it to global rank R. Only the first incarnation fires
 (TORCHELASTIC_RESTART_COUNT 0), so torchrun restarts run clean.
 """
 
@@ -34,6 +38,13 @@ def maybe_kill(kind: str, step: int) -> None:
         print(f"[titan_ckpt_plus.faults] {kind} at step {step}: SIGKILL rank "
               f"{os.environ.get('RANK', '0')}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_preempt(step: int) -> None:
+    if _armed("sigterm_after_step", step):
+        print(f"[titan_ckpt_plus.faults] sigterm_after_step at step {step}: SIGTERM to the "
+              f"launcher (pid {os.getppid()})", flush=True)
+        os.kill(os.getppid(), signal.SIGTERM)
 
 
 def maybe_fail(kind: str, step: int) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 ALIGN = 64
+PAGE = 4096  # host buffer alignment: O_DIRECT writes need page-aligned memory
 _PLAIN = (int, float, str, bytes, bool, type(None))
 
 
@@ -154,7 +155,10 @@ class HostBuffer:
 
     def ensure(self, nbytes: int) -> torch.Tensor:
         if self.data.numel() < nbytes:
-            self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            # Page-aligned, so the local write can bypass the page cache (O_DIRECT).
+            raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=self.pin)
+            skip = -raw.data_ptr() % PAGE
+            self.data = raw[skip : skip + nbytes]
         return self.data
 
     def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],

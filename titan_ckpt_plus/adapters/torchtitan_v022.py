@@ -10,7 +10,9 @@ and for any other trainer that builds a CheckpointManager.
 import hashlib
 import json
 import os
+import signal
 import socket
+import threading
 import time
 
 import torch
@@ -81,6 +83,10 @@ class TieredCheckpointManager(_StockManager):
         self._last_heartbeat = 0.0
         if self.ledger:
             self.events.submit(self.ledger.start, self.incarnation, t=time.time(), world_size=world)
+        self._grace_s = checkpoint_config.preemption_grace_s
+        self._sigterm_at: float | None = None
+        if self._grace_s > 0 and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         logger.info(f"[titan_ckpt_plus] tiers on: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
                     f"{settings.pfs_interval} steps")
@@ -180,7 +186,52 @@ class TieredCheckpointManager(_StockManager):
             if self.ledger and last_step:  # flushed: both tiers hold the last step
                 self.events.submit(self.ledger.clean_end, self.incarnation, t=time.time())
             self._log_metrics(curr_step)
+            if (self._grace_s > 0 and not last_step
+                    and self.tiered.preemption_agreed(self._sigterm_at is not None)):
+                self._stop_for_preemption(curr_step)
         faults.maybe_kill("kill_after_step", curr_step)
+        faults.maybe_preempt(curr_step)
+
+    # ---- preemption -----------------------------------------------------------
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """A preemption notice: only noted here; the ranks agree on it at the next
+        step (see TieredCheckpointer.preemption_agreed)."""
+        if self._sigterm_at is None:
+            self._sigterm_at = time.monotonic()
+            logger.warning(f"[titan_ckpt_plus] SIGTERM: preemption notice, stopping within "
+                           f"{self._grace_s:g}s")
+
+    def _stop_for_preemption(self, step: int) -> None:
+        """Finish the save in flight, promote the newest local step to the PFS, and
+        end training at this step; torchtitan then closes and exits normally. A
+        watchdog ends the process if that overruns the grace period."""
+        noticed = self._sigterm_at or time.monotonic()
+        deadline = noticed + self._grace_s
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), self._overdue)
+        watchdog.daemon = True
+        watchdog.start()
+        reserve = min(5.0, 0.2 * self._grace_s)  # for closing and torchtitan's exit
+        pfs_step, what = self.tiered.promote_newest(deadline - reserve)
+        seconds = time.monotonic() - noticed
+        logger.warning(f"[titan_ckpt_plus] preempted at step {step}: {what}; newest PFS step "
+                       f"{pfs_step}; stopping {seconds:.1f}s after the notice")
+        self.events.record("preemption", step=step, pfs_step=pfs_step, action=what,
+                           seconds=seconds, grace_s=self._grace_s)
+        if self.ledger:  # a preemption is not a failure: the work up to now is saved
+            self.events.submit(self.ledger.clean_end, self.incarnation, t=time.time())
+        trainer = self.states.get(tt_checkpoint.TRAIN_STATE)
+        if hasattr(trainer, "job_config"):
+            trainer.job_config.training.steps = step  # the loop ends after this step
+        else:
+            self.close()
+            raise SystemExit(0)
+
+    def _overdue(self) -> None:
+        logger.error(f"[titan_ckpt_plus] preemption grace of {self._grace_s:g}s is over; "
+                     "exiting now")
+        self.events.flush()
+        os._exit(1)
 
     def _log_metrics(self, step: int) -> None:
         """Checkpoint figures that became known since the last step, logged at this

@@ -6,6 +6,8 @@ CRC-32C because it runs on the CPU's own instruction (about 10 GB/s here, agains
 2 GB/s for zlib's CRC-32): the checksum must not be what makes a save slow.
 """
 
+import ctypes
+import fcntl
 import json
 import os
 
@@ -92,27 +94,60 @@ def check_bytes(name: str, data, expect: dict) -> None:
         raise CorruptCheckpoint(_mismatch(name, size, crc, expect))
 
 
+PAGE = 4096
+
+
+def _address(view: memoryview) -> int | None:
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):  # read-only or empty buffer
+        return None
+
+
+def _open_for_write(path: str, view: memoryview) -> tuple[int, bool]:
+    """(fd, direct): O_DIRECT when the buffer is page-aligned and the file system
+    takes it (tmpfs does not). Direct writes skip the page-cache copy, so a save
+    costs the training ranks' cores almost nothing; the bytes go from the staging
+    buffer to the disk."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    addr = _address(view) if len(view) >= 1 << 20 else None
+    if addr is not None and addr % PAGE == 0 and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o644), True
+        except OSError:
+            pass
+    return os.open(path, flags, 0o644), False
+
+
+def _write_all(fd: int, chunk: memoryview) -> None:
+    while len(chunk):
+        chunk = chunk[os.write(fd, chunk):]
+
+
 def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:
     """Write `data` (a buffer) to `path` via a temporary name, fsync'd; returns its
     manifest entry. `before_chunk(end)` may block until data[:end] is ready (the
     write follows the staging copy); `on_chunk(bytes_written)` runs between chunks
     (fault injection)."""
     view = memoryview(data).cast("B")
-    step = min(CHUNK, max(4096, len(view) // 2))
+    step = max(PAGE, min(CHUNK, len(view) // 2) // PAGE * PAGE)
     crc = 0
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    fd, direct = _open_for_write(tmp, view)
+    try:
         for start in range(0, len(view), step):
             chunk = view[start : start + step]
             if before_chunk:
                 before_chunk(start + len(chunk))
             crc = checksum(chunk, crc)
-            f.write(chunk)
+            if direct and len(chunk) % PAGE:  # O_DIRECT takes whole pages only
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _write_all(fd, chunk)
             if on_chunk:
-                f.flush()
                 on_chunk(start + len(chunk))
-        f.flush()
-        os.fsync(f.fileno())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
     return {"size": len(view), SUM: crc}
 

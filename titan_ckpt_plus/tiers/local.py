@@ -146,6 +146,14 @@ class LocalTier:
             if not any(n.startswith("rank-") and n.endswith(".json") for n in os.listdir(d)):
                 shutil.rmtree(d, ignore_errors=True)
 
+    def discard(self, step: int, held: list[int]) -> None:
+        """Remove this rank's files of an uncommitted step (own part, received copies)."""
+        if os.path.isdir(self.step_dir(step)):
+            try:
+                self._remove_step(step, held)
+            except FileNotFoundError:
+                pass
+
     def purge(self, protected: set[int], held: list[int] | None = None,
               committed_now: int | None = None) -> list[int]:
         """Keep the newest `keep_latest_k` committed steps, anything newer than the

@@ -14,7 +14,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from titan_ckpt_plus.tiers import files
 
@@ -34,10 +34,24 @@ class CountingReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-def _all_true(flag: bool, pg) -> bool:
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+class HookedWriter(FileSystemWriter):
+    """torchtitan's default writer (what `checkpoint_id=path` builds), with a hook run
+    before this rank's data files are written: the fault injector's way in."""
+
+    def __init__(self, path: str, before_write) -> None:
+        super().__init__(path)
+        self.before_write = before_write
+
+    def write_data(self, plan, planner):
+        self.before_write()
+        return super().write_data(plan, planner)
+
+
+def all_ranks(flags: list[bool], pg) -> list[bool]:
+    """Collective: for each flag, whether it holds on every rank."""
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pg)
-    return bool(t.item())
+    return [bool(v) for v in t.tolist()]
 
 
 def agree(why: str, pg) -> str:
@@ -68,7 +82,7 @@ class PfsTier:
             and os.path.isfile(os.path.join(self.folder, n, ".metadata"))
         )
 
-    def save(self, step: int, state: dict, pg) -> int:
+    def save(self, step: int, state: dict, pg, before_write=None) -> int:
         """Collective over `pg`: dcp.save, then the manifest. Returns this rank's bytes."""
         path = self.step_dir(step)
         if self.rank == 0 and os.path.isdir(path):
@@ -76,7 +90,8 @@ class PfsTier:
             # files under one .metadata.
             shutil.rmtree(path)
         dist.barrier(group=pg)
-        dcp.save(state, checkpoint_id=path, process_group=pg)
+        writer = HookedWriter(path, before_write) if before_write else None
+        dcp.save(state, checkpoint_id=path, storage_writer=writer, process_group=pg)
         mine = {}
         for name in sorted(os.listdir(path)):
             if name.startswith(f"__{self.rank}_"):

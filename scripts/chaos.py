@@ -1,0 +1,377 @@
+"""The fault matrix: the tiny CPU job through every fault the plugin promises to survive.
+
+    .venv/bin/python scripts/chaos.py              # every scenario (about 15 min on 2 cores)
+    .venv/bin/python scripts/chaos.py --ci         # the subset CI runs (tests/test_chaos.py)
+    .venv/bin/python scripts/chaos.py sigterm disk-full    # chosen scenarios
+
+Each scenario: run 1 with a fault, damage between the runs (wiped folders, flipped
+bytes), run 2 clean. Checked: the tier and step run 2 recovers; its losses equal an
+uninterrupted run's at the same DP degree, bit for bit; after a DP change, every
+sequence is consumed exactly once; no needed checkpoint was deleted (the step the
+restart must use still loads, and the newest step of every tier still verifies).
+The tmpfs (disk full) and read-only PFS scenarios mount file systems and need root.
+Prints a table: scenario, expected, observed, pass/fail, recovery seconds, bytes read
+per tier.
+"""
+
+import argparse
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+import harness  # noqa: E402
+from titan_ckpt_plus import inspect as ckpt_inspect  # noqa: E402
+
+STEPS = 12  # tests/configs/tiny_tiered.toml: local every 2 steps, PFS every 4
+GRACE_S = 25.0  # preemption_grace_s's default
+SECTION = "## Fault injection"
+
+
+@dataclass
+class Scenario:
+    name: str
+    fault: str
+    expect: tuple | Callable  # (tier, step), or work -> (tier, step) from run 1's records
+    damage: Callable | None = None  # work -> None, between the runs
+    nodes: int = 1
+    nproc: tuple = (2, 2)  # ranks per node in run 1 and run 2
+    overrides: tuple = ()
+    mount: Callable | None = None  # work -> context manager around both runs
+    checks: Callable | None = None  # (work, run1) -> [failure, ...]
+    ci: bool = False
+
+
+@dataclass
+class Result:
+    name: str
+    expected: str = ""
+    observed: str = ""
+    failures: list = field(default_factory=list)
+    recovery_s: float | None = None
+    bytes_read: dict = field(default_factory=dict)
+    skipped: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.skipped else ("FAIL" if self.failures else "pass")
+
+
+# ---- damage between runs ------------------------------------------------------
+
+def wipe(*nodes: str):
+    def damage(work: Path) -> None:
+        for n in nodes or [p.name for p in (work / "local").iterdir()]:
+            shutil.rmtree(work / "local" / n, ignore_errors=True)
+    return damage
+
+
+def flip(*rel: str):
+    def damage(work: Path) -> None:
+        for r in rel:
+            harness.flip_byte(work / r)
+    return damage
+
+
+def both(*damages):
+    def damage(work: Path) -> None:
+        for d in damages:
+            d(work)
+    return damage
+
+
+# ---- file systems for the disk-full and read-only scenarios ----------------------
+
+def can_mount() -> bool:
+    if os.geteuid() != 0:
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d],
+                            capture_output=True).returncode == 0
+        if ok:
+            subprocess.run(["umount", d], check=True)
+    return ok
+
+
+@contextlib.contextmanager
+def _mounted(target: Path, *commands: list):
+    target.mkdir(parents=True, exist_ok=True)
+    for cmd in commands:
+        subprocess.run(cmd, check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def small_local_disk(work: Path):
+    """Node 0's local folder on a 7 MiB tmpfs: room for one committed step of the tiny
+    job (two 2.3 MiB parts) but not two, so every later local save hits ENOSPC."""
+    t = work / "local" / "0"
+    return _mounted(t, ["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(t)])
+
+
+def read_only_pfs(work: Path):
+    t = work / "dump" / "checkpoint"
+    return _mounted(t, ["mount", "--bind", str(t), str(t)],
+                    ["mount", "-o", "remount,bind,ro", str(t)])
+
+
+# ---- what run 1 left ------------------------------------------------------------
+
+def committed(work: Path, event: str = "local_commit") -> list[int]:
+    return [e["step"] for e in harness.ckpt_events(work, event)]
+
+
+def newest_local(work: Path) -> tuple:
+    return "local", max(committed(work))
+
+
+def promoted(work: Path) -> tuple:
+    ev = harness.ckpt_events(work, "preemption")
+    return "pfs", ev[-1]["pfs_step"] if ev else -1
+
+
+def check_disk_full(work: Path, run1) -> list[str]:
+    bad = []
+    failed = {e["step"] for e in harness.ckpt_events(work, "save_failed") if e["tier"] == "local"}
+    if committed(work)[:1] != [2] or not {4, 6, 8, 10} <= failed:
+        bad.append(f"local commits {committed(work)}, local failures {sorted(failed)}")
+    if not {4, 8} <= set(committed(work, "pfs_commit")):
+        bad.append(f"the PFS tier stopped with the local disk: PFS commits {committed(work, 'pfs_commit')}")
+    return bad
+
+
+def check_read_only_pfs(work: Path, run1) -> list[str]:
+    failed = {e["step"] for e in harness.ckpt_events(work, "save_failed") if e["tier"] == "pfs"}
+    bad = [] if {4, 8} <= failed else [f"PFS failures counted: {sorted(failed)}"]
+    if not {2, 4, 6, 8, 10} <= set(committed(work)):
+        bad.append(f"the local tier stopped with the PFS: local commits {committed(work)}")
+    return bad
+
+
+def check_preemption(work: Path, run1) -> list[str]:
+    ev = harness.ckpt_events(work, "preemption")
+    if not ev:
+        return ["no preemption recorded"]
+    ev, bad = ev[-1], []
+    out = "".join(p.stdout for p in run1)
+    exit_s = run1[0].ended - (ev["time"] - ev["seconds"])
+    if exit_s > GRACE_S:
+        bad.append(f"exited {exit_s:.1f}s after SIGTERM, grace {GRACE_S:g}s")
+    if out.count("Process group destroyed") < 2 or "SIGKILL" in out:
+        bad.append("the ranks did not exit cleanly")
+    if ev["pfs_step"] != max(committed(work)):
+        bad.append(f"newest local step {max(committed(work))} not promoted (PFS {ev['pfs_step']})")
+    return bad
+
+
+def check_torn_pfs_step(step: int):
+    def check(work: Path, run1) -> list[str]:
+        d = work / "dump" / "checkpoint" / f"step-{step}"
+        return [] if not (d / ".metadata").exists() else [f"PFS step {step} was completed after all"]
+    return check
+
+
+MULTI = ("--checkpoint.replication_factor", "1")
+SCENARIOS = [
+    Scenario("kill-after-step", "kill_after_step@7:1", ("local", 6)),
+    Scenario("kill-staging", "kill_during_staging@8:1", ("local", 6), ci=True),
+    Scenario("kill-local-write", "kill_during_local_write@8:1", ("local", 6)),
+    Scenario("kill-replication", "kill_during_replication@8:1", ("local", 6), nodes=2,
+             overrides=MULTI, ci=True),
+    Scenario("kill-pfs-write", "kill_during_pfs_write@8:1", ("pfs", 4), damage=wipe(),
+             checks=check_torn_pfs_step(8), ci=True),
+    Scenario("wipe-one-node", "kill_after_step@7:1", ("local", 6), damage=wipe("1"), nodes=2,
+             overrides=MULTI),
+    Scenario("wipe-every-node", "kill_after_step@11:1", ("pfs", 8), damage=wipe()),
+    Scenario("flip-local", "kill_after_step@11:1", ("local", 8),
+             damage=flip("local/0/step-10/rank-00001.data")),
+    Scenario("flip-replica", "kill_after_step@7:1", ("local", 4), nodes=2, overrides=MULTI,
+             damage=both(wipe("1"), flip("local/0/step-6/rank-00002.data"))),
+    Scenario("flip-pfs", "kill_after_step@11:1", ("pfs", 4),
+             damage=both(wipe(), flip("dump/checkpoint/step-8/__1_0.distcp"))),
+    Scenario("disk-full", "kill_after_step@11:1", ("pfs", 8), mount=small_local_disk,
+             checks=check_disk_full, ci=True),
+    Scenario("read-only-pfs", "kill_after_step@11:1", ("local", 10), mount=read_only_pfs,
+             checks=check_read_only_pfs, ci=True),
+    Scenario("sigterm", "sigterm_after_step@5:0", promoted, damage=wipe(),
+             checks=check_preemption, ci=True),
+    Scenario("dp-2-to-1", "kill_after_step@11:1", ("pfs", 8), nproc=(2, 1)),
+    Scenario("dp-1-to-2", "kill_after_step@11:0", ("pfs", 8), nproc=(1, 2), ci=True),
+]
+CI_SUBSET = [s.name for s in SCENARIOS if s.ci]
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+class Matrix:
+    """Runs scenarios under `base`, with one uninterrupted run per job shape to compare
+    losses with (made on first use)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = Path(base)
+        self._baselines: dict = {}
+
+    def launch(self, work: Path, nodes: int, nproc: int, *overrides: str, fault: str = "",
+               tag: str = "run") -> list:
+        env = {"TITAN_CKPT_SAMPLE_LOG": str(work / f"{tag}.samples.jsonl")}
+        args = ("--training.global_batch_size", str(2 * nproc * nodes if nodes > 1 else 4),
+                *overrides)  # one global batch for DP 1 and 2, so DP can change
+        if nodes == 1:
+            procs = [harness.torchrun(work, *args, nproc=nproc, fault=fault, loss_log=f"{tag}.jsonl", env=env)]
+        else:
+            procs = harness.torchrun_nodes(work, *args, nnodes=nodes, nproc=nproc, fault=fault,
+                                           loss_log=f"{tag}.jsonl", env=env)
+        for p in procs:
+            p.ended = time.time()
+        return procs
+
+    def baseline(self, nodes: int, nproc: int, overrides: tuple) -> dict:
+        key = (nodes, nproc, overrides)
+        if key not in self._baselines:
+            work = self.base / f"baseline-{nodes}x{nproc}"
+            shutil.rmtree(work, ignore_errors=True)
+            procs = self.launch(work, nodes, nproc, *overrides)
+            if any(p.returncode for p in procs):
+                raise RuntimeError("the uninterrupted run failed:\n" + procs[0].stdout[-3000:])
+            self._baselines[key] = harness.losses(work, "run.jsonl")
+        return self._baselines[key]
+
+    def run(self, name: str) -> Result:
+        sc, res, t0 = BY_NAME[name], Result(name), time.monotonic()
+        if sc.mount and not can_mount():
+            res.skipped = "needs root to mount a tmpfs / read-only bind"
+            return res
+        work = self.base / name
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        with sc.mount(work) if sc.mount else contextlib.nullcontext():
+            self._run(sc, work, res)
+        res.wall_s = time.monotonic() - t0
+        return res
+
+    def _run(self, sc: Scenario, work: Path, res: Result) -> None:
+        run1 = self.launch(work, sc.nodes, sc.nproc[0], *sc.overrides, fault=sc.fault, tag="run1")
+        if sc.fault.startswith("kill") and all(p.returncode == 0 for p in run1):
+            res.failures.append("run 1 was not killed")
+        tier, step = sc.expect(work) if callable(sc.expect) else sc.expect
+        res.expected = f"{tier} {step}"
+        res.failures += sc.checks(work, run1) if sc.checks else []
+        if sc.damage:
+            sc.damage(work)
+        run2 = self.launch(work, sc.nodes, sc.nproc[1], *sc.overrides, tag="run2")
+        if any(p.returncode for p in run2):
+            res.failures.append("run 2 failed: " + run2[0].stdout[-1500:])
+            return
+        recs = harness.ckpt_events(work, "recovery")
+        if not recs:
+            res.failures.append("no recovery recorded")
+            return
+        rec = recs[-1]
+        res.observed = f"{rec['tier']} {rec['step']}"
+        res.recovery_s = rec["seconds"]
+        res.bytes_read = {k: rec[f"bytes_{k}"] for k in ("local", "peer", "pfs")}
+        if (rec["tier"], rec["step"]) != (tier, step):
+            res.failures.append(f"recovered {res.observed}, expected {res.expected}")
+        if sc.nproc[0] == sc.nproc[1]:
+            res.failures += self._same_losses(sc, work, rec["step"])
+        else:
+            res.failures += self._every_sequence_once(work, rec["step"])
+        res.failures += self._newest_steps_verify(work)
+
+    def _same_losses(self, sc: Scenario, work: Path, step: int) -> list[str]:
+        ref = self.baseline(sc.nodes, sc.nproc[1], sc.overrides)
+        got = harness.losses(work, "run2.jsonl")
+        steps = range(step + 1, STEPS + 1)
+        if [got.get(s) for s in steps] != [ref[s] for s in steps]:
+            return [f"losses after step {step} differ from the uninterrupted run's"]
+        return []
+
+    @staticmethod
+    def _every_sequence_once(work: Path, step: int) -> list[str]:
+        """Run 1's sequences up to the checkpoint, then run 2's: each exactly once."""
+        first = [r for r in harness.sample_records(work / "run1.samples.jsonl") if r["step"] <= step]
+        seen = sorted(i for r in first + harness.sample_records(work / "run2.samples.jsonl")
+                      for i in r["seq_ids"])
+        if seen != list(range(STEPS * 4)):
+            dup = len(seen) - len(set(seen))
+            return [f"sequences not seen exactly once ({len(seen)} ids, {dup} repeated)"]
+        return []
+
+    @staticmethod
+    def _newest_steps_verify(work: Path) -> list[str]:
+        """The newest committed step of every tier and node folder still verifies."""
+        steps, _ = ckpt_inspect.list_steps(str(work / "dump"), [str(p) for p in (work / "local").glob("*")])
+        newest: dict = {}
+        for s in steps:
+            if s.committed and s.step > newest.get((s.tier, s.folder), (-1, ""))[0]:
+                newest[(s.tier, s.folder)] = (s.step, s.path)
+        bad = [c for _, path in newest.values() for c in ckpt_inspect.verify_step(path) if c.failed]
+        return [f"newest step does not verify: {c.line()}" for c in bad]
+
+
+def table(results: list[Result]) -> list[str]:
+    rows = ["| scenario | fault | expected | observed | result | recovery | bytes read: local / peer / PFS |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        sc = BY_NAME[r.name]
+        b = r.bytes_read
+        nbytes = " / ".join(ckpt_inspect.human_bytes(b[k]) for k in ("local", "peer", "pfs")) if b else ""
+        rec = f"{r.recovery_s:.2f} s" if r.recovery_s is not None else ""
+        status = r.status if not r.skipped else f"skipped ({r.skipped})"
+        rows.append(f"| {r.name} | `{sc.fault}` | {r.expected} | {r.observed} | {status} | {rec} | {nbytes} |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", help=f"scenarios (default: all): {', '.join(BY_NAME)}")
+    ap.add_argument("--ci", action="store_true", help="only the CI subset")
+    ap.add_argument("--work", default="", help="keep the runs here (default: a temporary folder)")
+    ap.add_argument("--update", metavar="BENCHMARKS.md", help="write the table into this file")
+    args = ap.parse_args(argv)
+    names = args.names or (CI_SUBSET if args.ci else list(BY_NAME))
+    unknown = [n for n in names if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(BY_NAME)}")
+    base = Path(args.work or tempfile.mkdtemp(prefix="titan-chaos-"))
+    matrix, results = Matrix(base), []
+    for n in names:
+        r = matrix.run(n)
+        results.append(r)
+        print(f"{r.name}: {r.status} ({r.wall_s:.0f}s) {'; '.join(r.failures)[:600]}", flush=True)
+    lines = table(results)
+    print("\n".join(lines))
+    from benchmd import record_targets
+
+    passed = sum(r.status == "pass" for r in results)
+    record_targets("chaos", [("fault scenarios recovered as expected", f"{passed} of {len(results)}"
+                              f" ({sum(bool(r.skipped) for r in results)} skipped)", "all",
+                              passed == len(results))])
+    if args.update:
+        from benchmd import update_section
+
+        update_section(Path(args.update), SECTION, "\n".join([
+            f"Command: `.venv/bin/python scripts/chaos.py --update {args.update}` (tiny llama3, 2 CPU "
+            "ranks per node, gloo; two simulated nodes with replication_factor 1 where the scenario "
+            "needs neighbors). Expected/observed: the tier and step the restart loaded; pass also "
+            "needs the losses after resume equal to an uninterrupted run's bit for bit (every "
+            "sequence exactly once when the DP degree changes) and the newest step of every tier "
+            "still verifying.", "", *lines]))
+    if not args.work:
+        shutil.rmtree(base, ignore_errors=True)
+    return 1 if any(r.failures for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

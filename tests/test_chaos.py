@@ -1,0 +1,30 @@
+"""The CI subset of the fault matrix (scripts/chaos.py): each scenario a test.
+
+The full matrix runs with `.venv/bin/python scripts/chaos.py`; here only the scenarios
+that no other e2e test covers (about 8 minutes on 2 cores).
+"""
+
+import sys
+
+import pytest
+
+from harness import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import chaos  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    return chaos.Matrix(tmp_path_factory.mktemp("chaos"))
+
+
+@pytest.mark.parametrize("name", chaos.CI_SUBSET)
+def test_fault_scenario_recovers_as_expected(matrix, name):
+    result = matrix.run(name)
+    if result.skipped:
+        pytest.skip(result.skipped)
+    assert not result.failures, result.failures
+    assert result.observed == result.expected
