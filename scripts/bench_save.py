@@ -28,6 +28,7 @@ from benchmd import record_targets, update_section  # noqa: E402
 from harness import ckpt_events, events, torchrun  # noqa: E402
 
 from titan_ckpt_plus.staging import HostBuffer  # noqa: E402
+from titan_ckpt_plus.tiers import files  # noqa: E402
 
 MODELS = {
     # flavor: (seq_len, local_batch, steps, save every)
@@ -59,9 +60,7 @@ def machine_limits(nbytes: int, folder: Path) -> dict:
         for _ in range(3):
             t0 = time.perf_counter()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags)
-            view = data
-            while len(view):
-                view = view[os.write(fd, view):]
+            files.write_all(fd, data)
             os.fsync(fd)
             os.close(fd)
             writes.append(time.perf_counter() - t0)

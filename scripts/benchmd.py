@@ -1,5 +1,7 @@
 """The one place the benchmark scripts write BENCHMARKS.md: each owns one `## ` section."""
 
+import json
+import sys
 from pathlib import Path
 
 
@@ -26,15 +28,11 @@ TARGETS_SECTION = "## Targets"
 def record_targets(name: str, rows: list[tuple]) -> None:
     """Rows (what, measured, target, met: bool | None) of one script's run, kept for
     the targets table that scripts/bench_all.sh writes after every script ran."""
-    import json
-
     TARGETS_DIR.mkdir(parents=True, exist_ok=True)
     (TARGETS_DIR / f"{name}.json").write_text(json.dumps([list(r) for r in rows], indent=1))
 
 
 def targets_table(names: list[str]) -> str:
-    import json
-
     lines = ["| benchmark | what | measured | target | met? |", "|---|---|---|---|---|"]
     for name in names:
         path = TARGETS_DIR / f"{name}.json"
@@ -48,8 +46,6 @@ def targets_table(names: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     out, names = Path(sys.argv[1]), sys.argv[2:]
     body = ("Every target of the issues, from the run of `./scripts/bench_all.sh` that wrote the "
             "sections below (same machine, same run).\n\n" + targets_table(names))

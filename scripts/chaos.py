@@ -47,7 +47,8 @@ class Scenario:
     nproc: tuple = (2, 2)  # ranks per node in run 1 and run 2
     overrides: tuple = ()
     mount: Callable | None = None  # work -> context manager around both runs
-    checks: Callable | None = None  # (work, run1) -> [failure, ...]
+    checks: Callable | None = None  # (work, run1) -> [failure, ...], after run 1
+    final_checks: Callable | None = None  # work -> [failure, ...], after run 2
     ci: bool = False
 
 
@@ -145,11 +146,19 @@ def promoted(work: Path) -> tuple:
 def check_disk_full(work: Path, run1) -> list[str]:
     bad = []
     failed = {e["step"] for e in harness.ckpt_events(work, "save_failed") if e["tier"] == "local"}
-    if committed(work)[:1] != [2] or not {4, 6, 8, 10} <= failed:
+    if committed(work) != [2] or not {4, 6, 8, 10} <= failed:
         bad.append(f"local commits {committed(work)}, local failures {sorted(failed)}")
     if not {4, 8} <= set(committed(work, "pfs_commit")):
         bad.append(f"the PFS tier stopped with the local disk: PFS commits {committed(work, 'pfs_commit')}")
     return bad
+
+
+def no_torn_steps_on_full_disk(work: Path) -> list[str]:
+    """After run 2 (flushed at its last step), the full disk holds committed steps
+    only: every failed step's parts were removed at once, not left to fill it."""
+    d = work / "local" / "0"
+    torn = sorted(p.name for p in d.glob("step-*") if not (p / "COMMIT.json").exists())
+    return [f"uncommitted steps left on the full disk: {torn}"] if torn else []
 
 
 def check_read_only_pfs(work: Path, run1) -> list[str]:
@@ -202,7 +211,7 @@ SCENARIOS = [
     Scenario("flip-pfs", "kill_after_step@11:1", ("pfs", 4),
              damage=both(wipe(), flip("dump/checkpoint/step-8/__1_0.distcp"))),
     Scenario("disk-full", "kill_after_step@11:1", ("pfs", 8), mount=small_local_disk,
-             checks=check_disk_full, ci=True),
+             checks=check_disk_full, final_checks=no_torn_steps_on_full_disk, ci=True),
     Scenario("read-only-pfs", "kill_after_step@11:1", ("local", 10), mount=read_only_pfs,
              checks=check_read_only_pfs, ci=True),
     Scenario("sigterm", "sigterm_after_step@5:0", promoted, damage=wipe(),
@@ -288,6 +297,7 @@ class Matrix:
         else:
             res.failures += self._every_sequence_once(work, rec["step"])
         res.failures += self._newest_steps_verify(work)
+        res.failures += sc.final_checks(work) if sc.final_checks else []
 
     def _same_losses(self, sc: Scenario, work: Path, step: int) -> list[str]:
         ref = self.baseline(sc.nodes, sc.nproc[1], sc.overrides)

@@ -133,7 +133,7 @@ def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_pat
     assert "No space left on device" in proc.stdout and "training continues" in proc.stdout
     assert [e["step"] for e in ckpt_events(tmp_path, "local_commit")] == [2, 6, 8, 10, 12]
     # Step 4 failed locally but was due on the PFS: drained from the staged bytes
-    # (rank 1) and rank 0's uncommitted part, whose files were then removed.
+    # (rank 1) and rank 0's uncommitted part. (That failed parts are removed at once is
+    # checked on a really full disk: scripts/chaos.py, disk-full.)
     assert [e["step"] for e in ckpt_events(tmp_path, "pfs_commit")] == [4, 12]
-    assert not (tmp_path / "local" / "0" / "step-4").exists()
     assert losses(tmp_path) == losses(reference)  # a failed save does not touch training

@@ -116,10 +116,9 @@ class TieredCheckpointer:
         self.drain_pg = dist.new_group(backend="gloo")
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=policy is not None)
         self.policy = policy
-        # Main-thread only: the interval decision must be the same on every rank.
-        self.policy_pg = dist.new_group(backend="gloo") if policy is not None else None
-        # Main-thread only, one small all-reduce per step, overlapped with the next step.
-        self.preempt_pg = dist.new_group(backend="gloo")
+        # The training thread's own group (interval decisions, preemption agreement):
+        # only that thread issues on it, so the order is the same on every rank.
+        self.main_pg = dist.new_group(backend="gloo")
         self._preempt_flag: torch.Tensor | None = None
         self._preempt_work = None
         self._last_committed_job: _Job | None = None
@@ -217,7 +216,7 @@ class TieredCheckpointer:
         mine = [delta, self._step_time, self._last_write["local"], self._last_write["pfs"],
                 time.monotonic() - self._started]
         t = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.policy_pg)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)
         m = Measurements(*t.tolist())
         local, pfs, mtbf = self.policy.update(m)
         self.schedule.local_interval, self.schedule.pfs_interval = local.steps, pfs.steps
@@ -243,7 +242,7 @@ class TieredCheckpointer:
             agreed = bool(self._preempt_flag.item())
         self._preempt_flag = torch.tensor([int(noticed)], dtype=torch.int32)
         self._preempt_work = dist.all_reduce(self._preempt_flag, op=dist.ReduceOp.MAX,
-                                             group=self.preempt_pg, async_op=True)
+                                             group=self.main_pg, async_op=True)
         return agreed
 
     def promote_newest(self, deadline: float) -> tuple[int, str]:
@@ -255,7 +254,7 @@ class TieredCheckpointer:
         job = self._last_committed_job
         estimate = self._last_write["pfs"] or 2 * self._last_write["local"]
         t = torch.tensor([estimate, time.monotonic() - deadline], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.preempt_pg)  # worst rank
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)  # worst rank
         estimate, remaining = float(t[0]), -float(t[1])
         on_pfs = self.pfs.steps()
         newest_pfs = on_pfs[-1] if on_pfs else -1
@@ -389,9 +388,7 @@ class TieredCheckpointer:
                     self._failed("local", job.step, repr(e))
                 own = None
         job.staged.wait()
-        staged_ok = job.ok
-        if not job.ok:
-            own = None
+        staged_ok = job.ok  # the staging copy's outcome; a failed copy also failed the write
         job.ok = own is not None
         write_s = time.monotonic() - t0
         if self.placement is not None:

@@ -220,12 +220,8 @@ class TieredCheckpointManager(_StockManager):
                            seconds=seconds, grace_s=self._grace_s)
         if self.ledger:  # a preemption is not a failure: the work up to now is saved
             self.events.submit(self.ledger.clean_end, self.incarnation, t=time.time())
-        trainer = self.states.get(tt_checkpoint.TRAIN_STATE)
-        if hasattr(trainer, "job_config"):
-            trainer.job_config.training.steps = step  # the loop ends after this step
-        else:
-            self.close()
-            raise SystemExit(0)
+        trainer = self.states[tt_checkpoint.TRAIN_STATE]  # torchtitan's Trainer
+        trainer.job_config.training.steps = step  # the loop ends after this step
 
     def _overdue(self) -> None:
         logger.error(f"[titan_ckpt_plus] preemption grace of {self._grace_s:g}s is over; "

@@ -119,7 +119,8 @@ def _open_for_write(path: str, view: memoryview) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
-def _write_all(fd: int, chunk: memoryview) -> None:
+def write_all(fd: int, chunk: memoryview) -> None:
+    """os.write until every byte is written (it may write fewer)."""
     while len(chunk):
         chunk = chunk[os.write(fd, chunk):]
 
@@ -142,7 +143,7 @@ def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:
             crc = checksum(chunk, crc)
             if direct and len(chunk) % PAGE:  # O_DIRECT takes whole pages only
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            _write_all(fd, chunk)
+            write_all(fd, chunk)
             if on_chunk:
                 on_chunk(start + len(chunk))
         os.fsync(fd)
