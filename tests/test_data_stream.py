@@ -2,7 +2,6 @@
 O(1) seek, state, sample log. No torchtitan, no processes: ranks are simulated."""
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -151,10 +150,8 @@ def test_seek_cost_does_not_depend_on_the_position():
         info.update(consumed=pos, stream={"n_tokens": None, "tokens_sha256": None})
         loader.load_state_dict({STATE_KEY: json.dumps(info)})
         tokens.reads.clear()
-        t0 = time.perf_counter()
         batch, _ = next(iter(loader))
         inp = batch["input"]
-        assert time.perf_counter() - t0 < 0.5
         assert tokens.reads == [2 * 2048]  # exactly this rank's two windows
         assert inp.shape == (2, 2047)
 

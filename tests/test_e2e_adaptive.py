@@ -44,6 +44,7 @@ def test_failure_lands_in_the_ledger_and_moves_the_interval(tmp_path):
     steps_local, steps_pfs, mtbf = _replay(ev, {k: tuple(v) for k, v in ev["evidence"].items()})
     assert (ev["local_steps"], ev["pfs_steps"]) == (steps_local, steps_pfs)
     assert ev["mtbf_any_s"] == pytest.approx(mtbf)
-    # the estimator's move: one failure lowers M below what the prior and exposure give
+    # the estimator's move: one failure lowers M below what the same exposure without it gives
     assert mtbf == pytest.approx((WEIGHT * PRIOR_H * 3600 + exposure + ev["uptime_s"]) / (WEIGHT + 1))
-    assert mtbf < _replay(ev, {})[2]
+    no_failure = {k: tuple(v) for k, v in ev["evidence"].items()} | {"any": (0, exposure)}
+    assert mtbf < _replay(ev, no_failure)[2]
