@@ -32,14 +32,16 @@ from titan_ckpt_plus.tiers import files  # noqa: E402
 
 MODELS = {
     # flavor: (seq_len, local_batch, steps, save every)
-    "debugmodel": (128, 2, 16, 3),
+    "debugmodel": (128, 2, 25, 3),
     "100M": (32, 1, 13, 3),
 }
 SECTION = "## Save: local tier vs stock torchtitan"
+RANKS_PER_NODE = 2  # both ranks write to this machine's one disk
 
 
-def machine_limits(nbytes: int, folder: Path) -> dict:
-    """memcpy into a reused buffer and fsync'd write bandwidth, on `nbytes`."""
+def machine_limits(nbytes: int, folder: Path, reps: int = 7) -> dict:
+    """memcpy of one rank's `nbytes` into a reused buffer, and fsync'd write
+    bandwidth of the node's bytes (every rank's) as one stream to a new file."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -50,14 +52,13 @@ def machine_limits(nbytes: int, folder: Path) -> dict:
         copies.append(time.perf_counter() - t0)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "bw.bin"
-    aligned = HostBuffer(pin=False).ensure(nbytes)
+    node_bytes = RANKS_PER_NODE * nbytes // 4096 * 4096
+    aligned = HostBuffer(pin=False).ensure(node_bytes)
     aligned.fill_(7)
-    whole = nbytes // 4096 * 4096
-    bw = {}
-    for name, flags, data in (("buffered", 0, memoryview(src.numpy())),
-                              ("direct", getattr(os, "O_DIRECT", 0), memoryview(aligned.numpy())[:whole])):
+    data, bw = memoryview(aligned.numpy())[:node_bytes], {}
+    for name, flags in (("buffered", 0), ("direct", getattr(os, "O_DIRECT", 0))):
         writes = []
-        for _ in range(3):
+        for _ in range(reps):
             t0 = time.perf_counter()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags)
             files.write_all(fd, data)
@@ -65,20 +66,28 @@ def machine_limits(nbytes: int, folder: Path) -> dict:
             os.close(fd)
             writes.append(time.perf_counter() - t0)
             path.unlink()
-        bw[name] = len(data) / statistics.median(writes)
-    # The disk bound: the better of the two ways to write, on the idle machine.
-    return {"memcpy_s": statistics.median(copies), "write_Bps": max(bw.values()),
-            "buffered_Bps": bw["buffered"], "direct_Bps": bw["direct"]}
+        bw[name] = writes
+    return {"memcpy_s": copies, "buffered_s": bw["buffered"], "direct_s": bw["direct"], "node_bytes": node_bytes}
 
 
-def step_times(work: Path, save_steps: set[int]) -> tuple[float, float]:
-    """Median step time right after a save and otherwise (from the loss-log times)."""
+def pooled_limits(probes: list[dict]) -> dict:
+    """Medians over every probe's samples. The disk bound is the better of the two
+    ways to write; the file is removed outside the timing (the plugin writes new
+    files too)."""
+    med = {k: statistics.median(x for p in probes for x in p[k]) for k in ("memcpy_s", "buffered_s", "direct_s")}
+    n = probes[0]["node_bytes"]
+    bw = {"buffered_Bps": n / med["buffered_s"], "direct_Bps": n / med["direct_s"]}
+    return {"memcpy_s": med["memcpy_s"], "write_Bps": max(bw.values()), **bw}
+
+
+def step_times(work: Path, save_steps: set[int]) -> tuple[list[float], list[float]]:
+    """Step times right after a save and otherwise (from the loss-log times)."""
     recs = {r["step"]: r["time"] for r in events(work / "losses.jsonl", "loss")}
     after, other = [], []
     for s in sorted(recs):
         if s - 1 in recs and s > 2:
             (after if s - 1 in save_steps else other).append(recs[s] - recs[s - 1])
-    return statistics.median(after), statistics.median(other)
+    return after, other
 
 
 def run_stock(work: Path, flavor: str, mode: str, common: list[str], every: int, steps: int) -> dict:
@@ -88,10 +97,12 @@ def run_stock(work: Path, flavor: str, mode: str, common: list[str], every: int,
     deltas = [float(x) for x in re.findall(r"Finished saving the checkpoint.*?in ([0-9.]+) seconds", proc.stdout)]
     saves = {s for s in range(1, steps) if s % every == 0}
     after, other = step_times(work, saves)
-    return {"delta": statistics.median(deltas), "after": after, "other": other}
+    return {"delta": statistics.median(deltas), "after": statistics.median(after),
+            "other": statistics.median(other)}
 
 
-def run_plugin(work: Path, common: list[str], every: int, steps: int) -> dict:
+def run_plugin(work: Path, common: list[str], every: int, steps: int) -> dict[str, list]:
+    """The run's samples, to be pooled with another run's."""
     proc = torchrun(work, *common, f"--checkpoint.local_interval={every}", "--checkpoint.interval=100000",
                     timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -101,10 +112,12 @@ def run_plugin(work: Path, common: list[str], every: int, steps: int) -> dict:
     (last,) = [e for e in all_commits if e["step"] == steps]
     saves = {e["step"] for e in stages}
     after, other = step_times(work, saves)
-    return {"delta": statistics.median(e["delta_s"] for e in stages),
-            "commit": statistics.median(e["time_to_commit_s"] for e in commits),
-            "commit_last": last["time_to_commit_s"],
-            "bytes": statistics.median(e["bytes"] for e in commits), "after": after, "other": other}
+    return {"delta": [e["delta_s"] for e in stages], "commit": [e["time_to_commit_s"] for e in commits],
+            "commit_last": [last["time_to_commit_s"]], "bytes": [e["bytes"] for e in commits],
+            "after": after, "other": other}
+
+
+ROUNDS = 2  # plugin runs, each followed by a probe of the disk, whose speed drifts by minutes
 
 
 def bench(flavor: str, base: Path) -> dict:
@@ -115,12 +128,13 @@ def bench(flavor: str, base: Path) -> dict:
     out = {"flavor": flavor}
     for mode in ("disabled", "async"):
         out[mode] = run_stock(base / f"{flavor}-{mode}", flavor, mode, common, every, steps)
-    out["plugin"] = run_plugin(base / f"{flavor}-plugin", common, every, steps)
-    out["limits"] = machine_limits(int(out["plugin"]["bytes"]), base / "limits")
+    runs, probes = [], []
+    for i in range(ROUNDS):
+        runs.append(run_plugin(base / f"{flavor}-plugin-{i}", common, every, steps))
+        probes.append(machine_limits(int(statistics.median(runs[-1]["bytes"])), base / "limits"))
+    out["plugin"] = {k: statistics.median(x for r in runs for x in r[k]) for k in runs[0]}
+    out["limits"] = pooled_limits(probes)
     return out
-
-
-RANKS_PER_NODE = 2  # both ranks write to this machine's one disk
 
 
 def _verdict(ratio: float, limit: float, above: bool = False) -> str:
@@ -144,8 +158,10 @@ def table(results: list[dict]) -> str:
             f"{_verdict(p['commit'] / ideal, 1.5)} / {_verdict(p['commit_last'] / ideal, 1.5)} | "
             f"{a['after']:.3f} / {p['after']:.3f} s | {p['other']:.3f} s |")
     notes = ("\n\nThe disk bound is the node's bytes (both ranks write to this machine's one disk) over "
-             "the fsync'd write bandwidth of one stream on the idle machine, buffered or O_DIRECT, "
-             "whichever is faster (the plugin writes O_DIRECT from its page-aligned staging buffer). "
+             "the fsync'd write bandwidth of those bytes written as one stream to a new file on the idle "
+             f"machine, median of {ROUNDS} x 7 probes (one after each plugin run; the disk's speed drifts), "
+             "buffered or O_DIRECT, whichever is faster (the plugin writes O_DIRECT from its page-aligned "
+             "staging buffer). "
              "\"During training\" saves share the 2 cores with the 2 training ranks (staging copy, checksum); "
              "the last step's save runs after training stopped. On GPU nodes training runs on the "
              "GPUs and the host cores are mostly idle, which is the last-step case.")
@@ -182,8 +198,8 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench_save_", dir=ROOT / "outputs" if (ROOT / "outputs").exists() else None))
     results = [bench(m, base) for m in args.models.split(",")]
     body = (f"Command: `.venv/bin/python scripts/bench_save.py --update BENCHMARKS.md` "
-            f"({os.cpu_count()} cores, CPU, gloo, 2 ranks; medians over the saves of one run; "
-            f"local and PFS folders on the same disk).\n\n" + table(results))
+            f"({os.cpu_count()} cores, CPU, gloo, 2 ranks; medians over the saves of one run for stock, of "
+            f"{ROUNDS} runs for the plugin; local and PFS folders on the same disk).\n\n" + table(results))
     print(body)
     record_targets("save", targets(results))
     if args.update:

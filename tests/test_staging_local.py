@@ -175,3 +175,21 @@ def test_durable_write_of_a_page_aligned_buffer_with_a_ragged_tail(tmp_path):
         entry = files.write_durable(str(tmp_path / "part.data"), data)
         assert (tmp_path / "part.data").read_bytes() == bytes(data)
         assert entry == files.entry(data)
+
+
+@pytest.mark.parametrize("n", [0, 100, 4096, 5000, (3 << 20) + 123, 37055908, (40 << 20) + 4096])
+def test_write_pieces_cover_the_file_in_whole_pages_but_a_lone_tail(n):
+    """A small first piece (the disk starts before the staging copy is far along),
+    then CHUNK-sized ones; only a last partial page may be ragged, so it alone goes
+    through the page cache."""
+    from titan_ckpt_plus.tiers import files
+
+    pieces = files._chunks(n)
+    ends = [b for _, b in pieces]
+    assert [a for a, _ in pieces] == [0, *ends[:-1]][: len(pieces)] and (ends[-1] if ends else 0) == n
+    sizes = [b - a for a, b in pieces]
+    ragged = [s for s in sizes if s % files.PAGE]
+    assert ragged == ([n % files.PAGE] if n % files.PAGE else []) and (not ragged or sizes[-1] == ragged[0])
+    assert all(s <= files.CHUNK for s in sizes)
+    if n >= 2 * files.FIRST_CHUNK:
+        assert sizes[0] == files.FIRST_CHUNK and sizes[1] > files.FIRST_CHUNK

@@ -412,8 +412,11 @@ class TieredCheckpointer:
             return
         job.committed = True
         self._last_committed_job = job
-        self.local.commit(job.step, {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
-                                     "node_ranks": self.s.node_ranks})
+        try:
+            self.local.commit(job.step, {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
+                                         "node_ranks": self.s.node_ranks})
+        except OSError as e:  # not a recovery candidate on this node; the other ranks go on as voted
+            self._failed("local", job.step, f"commit marker: {e!r}")
         self.stats.saves += 1
         self.stats.last_committed = job.step
         commit_s = time.monotonic() - job.started
@@ -428,6 +431,8 @@ class TieredCheckpointer:
             self._drain_q.put(job)
         try:
             held = self.placement.sources(self.s.rank) if self.placement else []
+            if not self.s.first_on_node:
+                self.local.wait_for_commit(job.step)
             self.local.purge(protected=set(self._draining), held=held, committed_now=job.step)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")

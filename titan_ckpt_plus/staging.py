@@ -71,7 +71,12 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    """A DTensor's local shard, read directly: to_local() goes through an autograd
+    Function, which costs more than the rest of planning for small tensors."""
+    if isinstance(t, DTensor):
+        local = getattr(t, "_local_tensor", None)
+        return local if isinstance(local, torch.Tensor) else t.to_local()
+    return t
 
 
 def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
@@ -195,16 +200,18 @@ class HostBuffer:
 
 
 COPY_GROUP = 8 << 20
+FIRST_GROUP = 4 << 20  # the local write's first piece (files.FIRST_CHUNK) waits for no more
 
 
-def _groups(layout: StateLayout, size: int) -> list[tuple[int, int]]:
-    """(end entry index, bytes staged once entries before it are copied) per group."""
-    out, first_offset = [], 0
+def _groups(layout: StateLayout, size: int, first: int = FIRST_GROUP) -> list[tuple[int, int]]:
+    """(end entry index, bytes staged once entries before it are copied) per group;
+    the first group is smaller, so the disk gets its first bytes sooner."""
+    out, first_offset, limit = [], 0, min(first, size)
     for i, e in enumerate(layout.entries):
-        if e.offset + e.nbytes - first_offset >= size:
+        if e.offset + e.nbytes - first_offset >= limit:
             upto = layout.entries[i + 1].offset if i + 1 < len(layout.entries) else layout.total_bytes
             out.append((i + 1, upto))
-            first_offset = upto
+            first_offset, limit = upto, size
     if not out or out[-1][0] < len(layout.entries):
         out.append((len(layout.entries), layout.total_bytes))
     return out

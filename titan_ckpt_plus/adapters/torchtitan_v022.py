@@ -19,11 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components import checkpoint as tt_checkpoint
+from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
 from titan_ckpt_plus import config, cpu_fallback, faults, flavors
 from titan_ckpt_plus.adapters import torchtitan_v022_data
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+from titan_ckpt_plus.optimizer_state import OptimizerStateCache
 from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
 from titan_ckpt_plus.policy.ledger import FAILURE_CLASSES, FailureLedger
 from titan_ckpt_plus.policy.schedule import IntervalPolicy
@@ -73,6 +75,7 @@ class TieredCheckpointManager(_StockManager):
         self.events = EventLog(events_path if rank == 0 else None)
         placement = self._placement(checkpoint_config, world)
         policy = self._interval_policy(checkpoint_config)
+        self._optimizer_state = self._optimizer_state_cache()
         self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement, policy)
         ledger_path = os.path.join(base_folder, "titan_ckpt_plus", "ledger.jsonl")
         self.ledger = FailureLedger(ledger_path) if rank == 0 else None
@@ -152,11 +155,23 @@ class TieredCheckpointManager(_StockManager):
 
     # ---- what is saved --------------------------------------------------------
 
+    def _optimizer_state_cache(self) -> OptimizerStateCache | None:
+        """Only for torchtitan's own container: a subclass may override state_dict()."""
+        opt = self.states.get(tt_checkpoint.OPTIMIZER)
+        if isinstance(opt, OptimizersContainer) and type(opt).state_dict is OptimizersContainer.state_dict:
+            return OptimizerStateCache(opt.model_parts, opt.optimizers)
+        return None
+
     def _capture(self) -> dict:
         """The same state stock torchtitan hands to dcp.save, with every Stateful
         resolved to its state_dict(), so DCP sees identical keys after the drain."""
-        return {k: v.state_dict() if isinstance(v, Stateful) else v
-                for k, v in self._flattened_model_states_sd().items()}
+        out = {}
+        for k, v in self._flattened_model_states_sd().items():
+            if self._optimizer_state is not None and v is self.states.get(tt_checkpoint.OPTIMIZER):
+                out[k] = self._optimizer_state.state_dict()
+            else:
+                out[k] = v.state_dict() if isinstance(v, Stateful) else v
+        return out
 
     def _layout_tag(self, world: int) -> dict:
         """What a local step must match to be loaded by this job: world size and how

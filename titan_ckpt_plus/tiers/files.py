@@ -14,6 +14,7 @@ import os
 import crc32c
 
 CHUNK = 16 << 20
+FIRST_CHUNK = 4 << 20  # see _chunks
 
 
 class CorruptCheckpoint(Exception):
@@ -125,21 +126,38 @@ def write_all(fd: int, chunk: memoryview) -> None:
         chunk = chunk[os.write(fd, chunk):]
 
 
+def _chunks(n: int) -> list[tuple[int, int]]:
+    """(start, end) pieces of a write: a small first one, so the disk starts while
+    the staging copy fills the next; then CHUNK, few enough that the writer thread
+    seldom has to take the GIL back from the training thread. Every piece is whole
+    pages but the last partial page, alone: O_DIRECT takes whole pages only, and only
+    that page then goes through the page cache."""
+    def pages(size: int) -> int:
+        return max(PAGE, min(size, n // 2) // PAGE * PAGE)
+
+    whole = n // PAGE * PAGE
+    out, start, size = [], 0, pages(FIRST_CHUNK)
+    while start < whole:
+        end = min(whole, start + size)
+        out.append((start, end))
+        start, size = end, pages(CHUNK)
+    return out + [(whole, n)] if whole < n else out
+
+
 def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:
     """Write `data` (a buffer) to `path` via a temporary name, fsync'd; returns its
     manifest entry. `before_chunk(end)` may block until data[:end] is ready (the
     write follows the staging copy); `on_chunk(bytes_written)` runs between chunks
     (fault injection)."""
     view = memoryview(data).cast("B")
-    step = max(PAGE, min(CHUNK, len(view) // 2) // PAGE * PAGE)
     crc = 0
     tmp = f"{path}.tmp{os.getpid()}"
     fd, direct = _open_for_write(tmp, view)
     try:
-        for start in range(0, len(view), step):
-            chunk = view[start : start + step]
+        for start, end in _chunks(len(view)):
+            chunk = view[start:end]
             if before_chunk:
-                before_chunk(start + len(chunk))
+                before_chunk(end)
             crc = checksum(chunk, crc)
             if direct and len(chunk) % PAGE:  # O_DIRECT takes whole pages only
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
