@@ -52,10 +52,10 @@ def machine_limits(nbytes: int, folder: Path, reps: int = 7) -> dict:
         copies.append(time.perf_counter() - t0)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "bw.bin"
-    node_bytes = RANKS_PER_NODE * nbytes // 4096 * 4096
+    node_bytes = RANKS_PER_NODE * nbytes // files.PAGE * files.PAGE
     aligned = HostBuffer(pin=False).ensure(node_bytes)
     aligned.fill_(7)
-    data, bw = memoryview(aligned.numpy())[:node_bytes], {}
+    data, seconds = memoryview(aligned.numpy())[:node_bytes], {}
     for name, flags in (("buffered", 0), ("direct", getattr(os, "O_DIRECT", 0))):
         writes = []
         for _ in range(reps):
@@ -66,8 +66,9 @@ def machine_limits(nbytes: int, folder: Path, reps: int = 7) -> dict:
             os.close(fd)
             writes.append(time.perf_counter() - t0)
             path.unlink()
-        bw[name] = writes
-    return {"memcpy_s": copies, "buffered_s": bw["buffered"], "direct_s": bw["direct"], "node_bytes": node_bytes}
+        seconds[name] = writes
+    return {"memcpy_s": copies, "buffered_s": seconds["buffered"], "direct_s": seconds["direct"],
+            "node_bytes": node_bytes}
 
 
 def pooled_limits(probes: list[dict]) -> dict:

@@ -182,8 +182,6 @@ def test_write_pieces_cover_the_file_in_whole_pages_but_a_lone_tail(n):
     """A small first piece (the disk starts before the staging copy is far along),
     then CHUNK-sized ones; only a last partial page may be ragged, so it alone goes
     through the page cache."""
-    from titan_ckpt_plus.tiers import files
-
     pieces = files._chunks(n)
     ends = [b for _, b in pieces]
     assert [a for a, _ in pieces] == [0, *ends[:-1]][: len(pieces)] and (ends[-1] if ends else 0) == n
@@ -193,3 +191,31 @@ def test_write_pieces_cover_the_file_in_whole_pages_but_a_lone_tail(n):
     assert all(s <= files.CHUNK for s in sizes)
     if n >= 2 * files.FIRST_CHUNK:
         assert sizes[0] == files.FIRST_CHUNK and sizes[1] > files.FIRST_CHUNK
+
+
+def test_staging_progress_never_runs_ahead_of_the_copied_bytes():
+    """The local write follows StagingProgress, so each advance must come only once
+    every byte below it is in the buffer; the first group is about the write's first
+    piece, the next ones about COPY_GROUP."""
+    g = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(int(n), generator=g)
+             for i, n in enumerate(torch.randint(1, 400_000, (60,), generator=g))}  # ~45 MiB
+    layout, tensors, _ = staging.plan_layout(state)
+    buf = staging.HostBuffer(pin=False)
+    buf.ensure(layout.total_bytes).fill_(255)  # stale bytes from an earlier save
+    want = buf.data[: layout.total_bytes].clone()
+    for e, t in zip(layout.entries, tensors):
+        staging.tensor_view(want, e).copy_(t)
+    seen = []
+
+    class Checked(staging.StagingProgress):
+        def advance(self, upto: int) -> None:
+            assert torch.equal(buf.data[:upto], want[:upto]), f"advanced to {upto} before copying it"
+            seen.append(upto)
+            super().advance(upto)
+
+    buf.copy_in(layout, tensors, Checked())
+    assert seen == sorted(seen) and seen[-1] == layout.total_bytes and len(seen) >= 5
+    biggest = max(e.nbytes for e in layout.entries) + staging.ALIGN
+    assert files.FIRST_CHUNK <= seen[0] < files.FIRST_CHUNK + biggest
+    assert staging.COPY_GROUP <= seen[1] - seen[0] < staging.COPY_GROUP + biggest

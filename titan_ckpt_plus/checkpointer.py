@@ -415,17 +415,18 @@ class TieredCheckpointer:
         try:
             self.local.commit(job.step, {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
                                          "node_ranks": self.s.node_ranks})
-        except OSError as e:  # not a recovery candidate on this node; the other ranks go on as voted
+        except OSError as e:  # not a recovery candidate on this node; the drain goes on as voted
             self._failed("local", job.step, f"commit marker: {e!r}")
-        self.stats.saves += 1
-        self.stats.last_committed = job.step
-        commit_s = time.monotonic() - job.started
-        self._last_write["local"] = time.monotonic() - t0
-        self._info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
-                 f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
-        self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
-                           staging_s=job.staging_s, background_write_s=write_s,
-                           time_to_commit_s=commit_s)
+        else:
+            self.stats.saves += 1
+            self.stats.last_committed = job.step
+            commit_s = time.monotonic() - job.started
+            self._last_write["local"] = time.monotonic() - t0
+            self._info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
+                       f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
+            self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
+                               staging_s=job.staging_s, background_write_s=write_s,
+                               time_to_commit_s=commit_s)
         if job.pfs_due:
             self._draining.add(job.step)
             self._drain_q.put(job)

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_ckpt_plus.tiers.files import FIRST_CHUNK, PAGE
+
 ALIGN = 64
-PAGE = 4096  # host buffer alignment: O_DIRECT writes need page-aligned memory
 _PLAIN = (int, float, str, bytes, bool, type(None))
 
 
@@ -200,12 +201,12 @@ class HostBuffer:
 
 
 COPY_GROUP = 8 << 20
-FIRST_GROUP = 4 << 20  # the local write's first piece (files.FIRST_CHUNK) waits for no more
 
 
-def _groups(layout: StateLayout, size: int, first: int = FIRST_GROUP) -> list[tuple[int, int]]:
+def _groups(layout: StateLayout, size: int, first: int = FIRST_CHUNK) -> list[tuple[int, int]]:
     """(end entry index, bytes staged once entries before it are copied) per group;
-    the first group is smaller, so the disk gets its first bytes sooner."""
+    the first group is no larger than the local write's first piece, so the disk
+    gets its first bytes sooner."""
     out, first_offset, limit = [], 0, min(first, size)
     for i, e in enumerate(layout.entries):
         if e.offset + e.nbytes - first_offset >= limit:

@@ -165,13 +165,10 @@ class TieredCheckpointManager(_StockManager):
     def _capture(self) -> dict:
         """The same state stock torchtitan hands to dcp.save, with every Stateful
         resolved to its state_dict(), so DCP sees identical keys after the drain."""
-        out = {}
-        for k, v in self._flattened_model_states_sd().items():
-            if self._optimizer_state is not None and v is self.states.get(tt_checkpoint.OPTIMIZER):
-                out[k] = self._optimizer_state.state_dict()
-            else:
-                out[k] = v.state_dict() if isinstance(v, Stateful) else v
-        return out
+        cached = self._optimizer_state
+        return {k: cached.state_dict() if cached is not None and k == tt_checkpoint.OPTIMIZER
+                else v.state_dict() if isinstance(v, Stateful) else v
+                for k, v in self._flattened_model_states_sd().items()}
 
     def _layout_tag(self, world: int) -> dict:
         """What a local step must match to be loaded by this job: world size and how

@@ -15,6 +15,7 @@ import crc32c
 
 CHUNK = 16 << 20
 FIRST_CHUNK = 4 << 20  # see _chunks
+PAGE = 4096  # O_DIRECT needs page-aligned memory, offsets and sizes
 
 
 class CorruptCheckpoint(Exception):
@@ -94,8 +95,6 @@ def check_bytes(name: str, data, expect: dict) -> None:
     if size != expect.get("size") or crc != expect.get(SUM):
         raise CorruptCheckpoint(_mismatch(name, size, crc, expect))
 
-
-PAGE = 4096
 
 
 def _address(view: memoryview) -> int | None:
