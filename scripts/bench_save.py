@@ -39,9 +39,11 @@ SECTION = "## Save: local tier vs stock torchtitan"
 RANKS_PER_NODE = 2  # both ranks write to this machine's one disk
 
 
-def machine_limits(nbytes: int, folder: Path, reps: int = 7) -> dict:
+def machine_limits(nbytes: int, folder: Path, reps: int = 7, gap_s: float = 1.0) -> dict:
     """memcpy of one rank's `nbytes` into a reused buffer, and fsync'd write
-    bandwidth of the node's bytes (every rank's) as one stream to a new file."""
+    bandwidth of the node's bytes (every rank's) as one stream to a new file. The
+    writes are `gap_s` apart, as the saves are: this disk's speed changes within
+    seconds, and one burst of writes samples a single moment of it."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -55,18 +57,17 @@ def machine_limits(nbytes: int, folder: Path, reps: int = 7) -> dict:
     node_bytes = RANKS_PER_NODE * nbytes // files.PAGE * files.PAGE
     aligned = HostBuffer(pin=False).ensure(node_bytes)
     aligned.fill_(7)
-    data, seconds = memoryview(aligned.numpy())[:node_bytes], {}
-    for name, flags in (("buffered", 0), ("direct", getattr(os, "O_DIRECT", 0))):
-        writes = []
-        for _ in range(reps):
+    data, seconds = memoryview(aligned.numpy())[:node_bytes], {"buffered": [], "direct": []}
+    for _ in range(reps):
+        time.sleep(gap_s)
+        for name, flags in (("buffered", 0), ("direct", getattr(os, "O_DIRECT", 0))):
             t0 = time.perf_counter()
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags)
             files.write_all(fd, data)
             os.fsync(fd)
             os.close(fd)
-            writes.append(time.perf_counter() - t0)
+            seconds[name].append(time.perf_counter() - t0)
             path.unlink()
-        seconds[name] = writes
     return {"memcpy_s": copies, "buffered_s": seconds["buffered"], "direct_s": seconds["direct"],
             "node_bytes": node_bytes}
 
@@ -118,7 +119,7 @@ def run_plugin(work: Path, common: list[str], every: int, steps: int) -> dict[st
             "after": after, "other": other}
 
 
-ROUNDS = 2  # plugin runs, each followed by a probe of the disk, whose speed drifts by minutes
+ROUNDS = 3  # plugin runs, each followed by a probe of the disk, whose speed drifts
 
 
 def bench(flavor: str, base: Path) -> dict:
@@ -160,7 +161,8 @@ def table(results: list[dict]) -> str:
             f"{a['after']:.3f} / {p['after']:.3f} s | {p['other']:.3f} s |")
     notes = ("\n\nThe disk bound is the node's bytes (both ranks write to this machine's one disk) over "
              "the fsync'd write bandwidth of those bytes written as one stream to a new file on the idle "
-             f"machine, median of {ROUNDS} x 7 probes (one after each plugin run; the disk's speed drifts), "
+             f"machine, median of {ROUNDS} x 7 writes (7 after each plugin run, 1 s apart as the saves are; the "
+             "disk's speed changes within seconds), "
              "buffered or O_DIRECT, whichever is faster (the plugin writes O_DIRECT from its page-aligned "
              "staging buffer). "
              "\"During training\" saves share the 2 cores with the 2 training ranks (staging copy, checksum); "

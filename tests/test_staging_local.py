@@ -63,7 +63,7 @@ def test_copy_into_updates_live_tensors_in_place_and_rejects_shape_change():
 
 def _write(tier, step, state):
     layout, data = _stage(state)
-    tier.write_part(step, layout.to_bytes(), data.numpy(), {"layout_tag": {"m": 1}})
+    tier.write_part(step, data.numpy(), lambda: (layout.to_bytes(), {"layout_tag": {"m": 1}}))
     return layout
 
 
@@ -94,7 +94,7 @@ def test_resaving_a_step_drops_the_old_commit_first(tmp_path):
 def test_replica_is_stored_under_its_source_rank_and_purged_by_its_holder(tmp_path):
     src = LocalTier(str(tmp_path / "a"), rank=2, world_size=4, first_on_node=True, keep_latest_k=2)
     layout, data = _stage(_state())
-    manifest = src.write_part(6, layout.to_bytes(), data.numpy(), {"layout_tag": {"m": 1}})
+    manifest, _ = src.write_part(6, data.numpy(), lambda: (layout.to_bytes(), {"layout_tag": {"m": 1}}))
     holder = LocalTier(str(tmp_path / "b"), rank=0, world_size=4, first_on_node=True, keep_latest_k=2)
     holder.write_replica(6, 2, *src.read_raw(6))
     assert holder.read_raw(6, 2)[0] == manifest
@@ -175,6 +175,35 @@ def test_durable_write_of_a_page_aligned_buffer_with_a_ragged_tail(tmp_path):
         entry = files.write_durable(str(tmp_path / "part.data"), data)
         assert (tmp_path / "part.data").read_bytes() == bytes(data)
         assert entry == files.entry(data)
+
+
+def test_a_part_is_synced_whole_before_any_file_is_named_and_the_marker_syncs_the_names(tmp_path, monkeypatch):
+    """A part's three files are fsync'd before the first is renamed into place, the
+    manifest is renamed last, and nothing is named after a failed write. The part's
+    names become durable with the marker's directory fsync, which therefore comes
+    after every rename (and the root's, for the step folder's own name)."""
+    calls = []
+    real_fsync, real_replace, real_fsync_dir = os.fsync, os.replace, files.fsync_dir
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", fd)), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append(("name", os.path.basename(b))),
+                                                     real_replace(a, b))[1])
+    monkeypatch.setattr(files, "fsync_dir", lambda d: (calls.append(("dir", d)), real_fsync_dir(d))[1])
+    tier = LocalTier(str(tmp_path), 0, 1, True, 2)
+    _write(tier, 5, _state())
+    kinds = [k for k, _ in calls]
+    assert kinds == ["fsync"] * 3 + ["name"] * 3
+    assert [n for k, n in calls if k == "name"] == ["rank-00000.data", "rank-00000.layout", "rank-00000.json"]
+    calls.clear()
+    tier.commit(5, {})
+    named = [c for c in calls if c[0] != "fsync"]
+    assert named == [("name", COMMIT), ("dir", tier.step_dir(5)), ("dir", tier.root)]
+
+    calls.clear()
+    with pytest.raises(OSError, match="disk full"):
+        with files.DurableBatch() as batch:
+            batch.write(str(tmp_path / "a.data"), b"x" * 10)
+            raise OSError("disk full")
+    assert calls == [] and not (tmp_path / "a.data").exists()
 
 
 @pytest.mark.parametrize("n", [0, 100, 4096, 5000, (3 << 20) + 123, 37055908, (40 << 20) + 4096])

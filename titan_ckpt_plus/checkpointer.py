@@ -77,6 +77,8 @@ class _Job:
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
     committed: bool = False
     memory: Any = None  # the staged bytes, kept only when the local write failed
+    layout_bytes: bytes | None = None  # set once staged
+    fingerprint: str = ""
 
 
 @dataclass
@@ -165,14 +167,14 @@ class TieredCheckpointer:
             self._failed("local", step, f"staging: {e!r}")
         if tensors is None:
             job.staged.set()  # the failed job still goes to the writer: it must vote
-        elif self.s.overlap_staging and not last_step:
-            self._buffer_free.clear()
-            self._copy_thread = threading.Thread(target=self._copy, args=(job, tensors), daemon=True)
-            self._copy_thread.start()
         else:
             self._buffer_free.clear()
+        self._write_q.put(job)  # before the copy starts: the writer wakes meanwhile
+        if tensors is not None and self.s.overlap_staging and not last_step:
+            self._copy_thread = threading.Thread(target=self._copy, args=(job, tensors), daemon=True)
+            self._copy_thread.start()
+        elif tensors is not None:
             self._copy(job, tensors)
-        self._write_q.put(job)
         self._pending = True
         self._pending_delta = time.monotonic() - t0
         self._pending_wait = waited
@@ -185,6 +187,8 @@ class TieredCheckpointer:
         faults.maybe_kill("kill_during_staging", job.step)
         try:
             self.buffer.copy_in(job.layout, tensors, job.progress)
+            # The writer needs these only after the data: made here, they overlap the disk.
+            job.layout_bytes, job.fingerprint = job.layout.to_bytes(), job.layout.fingerprint()
             job.ok = True
         except Exception as e:
             job.progress.fail()
@@ -374,11 +378,9 @@ class TieredCheckpointer:
         nbytes, own = 0, None
         if job.layout is not None:  # planned; the copy may still be running
             try:
-                meta = {"fingerprint": job.layout.fingerprint(), "layout_tag": self.s.layout_tag}
                 data = self.buffer.data[: job.layout.total_bytes].numpy()
-                layout_bytes = job.layout.to_bytes()
-                manifest = self.local.write_part(
-                    job.step, layout_bytes, data, meta,
+                manifest, layout_bytes = self.local.write_part(
+                    job.step, data, lambda: self._describe(job),
                     on_chunk=lambda _n: self._write_faults(job.step),
                     before_chunk=job.progress.wait)
                 own = Part(manifest, layout_bytes, data)
@@ -437,6 +439,14 @@ class TieredCheckpointer:
             self.local.purge(protected=set(self._draining), held=held, committed_now=job.step)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
+
+    def _describe(self, job: _Job) -> tuple[bytes, dict]:
+        """The layout's bytes and the manifest's fields, made by the copy thread
+        once its copy is done, while this thread still writes."""
+        job.staged.wait()
+        if job.layout_bytes is None:
+            raise RuntimeError("staging failed")
+        return job.layout_bytes, {"fingerprint": job.fingerprint, "layout_tag": self.s.layout_tag}
 
     def _discard(self, step: int) -> None:
         """A step the ranks did not commit: its parts here would only fill the disk."""

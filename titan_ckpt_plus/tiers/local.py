@@ -39,29 +39,32 @@ class LocalTier:
         r = self.rank if rank is None else rank
         return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
 
-    def write_part(self, step: int, layout_bytes: bytes, data, meta: dict,
-                   on_chunk=None, before_chunk=None) -> bytes:
+    def write_part(self, step: int, data, describe, on_chunk=None, before_chunk=None) -> tuple[bytes, bytes]:
         """Write this rank's part durably; returns its manifest's bytes (what a
-        replica receiver stores as is). Raises on I/O error."""
+        replica receiver stores as is) and its layout's. `describe()` gives the layout
+        bytes and the manifest's fields; it is called once the data is written, so
+        the caller can make them while the disk works. Raises on I/O error."""
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [self.rank])
-        manifest = dict(meta, step=step, rank=self.rank, world_size=self.world_size,
-                        written_at=time.time())
-        manifest["files"] = {
-            "data": files.write_durable(self._part(step, "data"), data, on_chunk, before_chunk),
-            "layout": files.write_durable(self._part(step, "layout"), layout_bytes),
-        }
-        raw = files.json_bytes(manifest)
-        files.atomic_write_bytes(self._part(step, "json"), raw)
-        return raw
+        with files.DurableBatch() as batch:
+            data_entry = batch.write(self._part(step, "data"), data, on_chunk, before_chunk)
+            layout_bytes, meta = describe()
+            manifest = dict(meta, step=step, rank=self.rank, world_size=self.world_size,
+                            written_at=time.time())
+            manifest["files"] = {"data": data_entry,
+                                 "layout": batch.write(self._part(step, "layout"), layout_bytes)}
+            raw = files.json_bytes(manifest)
+            batch.write(self._part(step, "json"), raw)
+        return raw, layout_bytes
 
     def write_replica(self, step: int, rank: int, manifest: bytes, layout: bytes, data) -> None:
         """Store a verified copy of another rank's part under that rank's file names."""
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [rank])
-        files.write_durable(self._part(step, "data", rank), data)
-        files.write_durable(self._part(step, "layout", rank), layout)
-        files.atomic_write_bytes(self._part(step, "json", rank), manifest)
+        with files.DurableBatch() as batch:
+            batch.write(self._part(step, "data", rank), data)
+            batch.write(self._part(step, "layout", rank), layout)
+            batch.write(self._part(step, "json", rank), manifest)
 
     def _drop_stale(self, step: int, ranks: list[int]) -> None:
         """A step number saved again (after a restart from an older step) must not
@@ -74,9 +77,12 @@ class LocalTier:
                 os.remove(p)
 
     def commit(self, step: int, info: dict) -> None:
+        """The marker's directory fsync also makes the parts' renames durable (they
+        are in the same folder and came first); the root's, the step folder's name."""
         if self.first_on_node:
             files.atomic_write_json(os.path.join(self.step_dir(step), COMMIT),
                                     dict(info, step=step, committed_at=time.time()))
+            files.fsync_dir(self.root)
 
     def wait_for_commit(self, step: int, timeout_s: float = 2.0) -> None:
         """Until this node's first rank has written the step's COMMIT.json. Deleting
