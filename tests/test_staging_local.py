@@ -199,10 +199,9 @@ def test_a_part_is_synced_whole_before_any_file_is_named_and_the_marker_syncs_th
     assert named == [("name", COMMIT), ("dir", tier.step_dir(5)), ("dir", tier.root)]
 
     calls.clear()
-    with pytest.raises(OSError, match="disk full"):
-        with files.DurableBatch() as batch:
-            batch.write(str(tmp_path / "a.data"), b"x" * 10)
-            raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"), files.DurableBatch() as batch:
+        batch.write(str(tmp_path / "a.data"), b"x" * 10)
+        raise OSError("disk full")
     assert calls == [] and not (tmp_path / "a.data").exists()
 
 
