@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerates BENCHMARKS.md in one run on this machine: every benchmark script (each
 # rewrites its own section, measuring the machine's limits in the same run), the fault
-# matrix, then the table of every target and whether it is met. 25-45 min on 2 cores.
+# matrix, then the table of every target and whether it is met. 20-45 min on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
