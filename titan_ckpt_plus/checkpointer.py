@@ -48,7 +48,6 @@ class TierSettings:
     first_on_node: bool
     layout_tag: dict = field(default_factory=dict)
     pin: bool = False
-    overlap_staging: bool = True
     replication_backend: str = "gloo"
     node_ranks: list = field(default_factory=list)  # ranks sharing this node folder
 
@@ -165,16 +164,16 @@ class TieredCheckpointer:
             tensors = None
             job.progress.fail()
             self._failed("local", step, f"staging: {e!r}")
-        if tensors is None:
-            job.staged.set()  # the failed job still goes to the writer: it must vote
-        else:
+        if tensors is not None:
             self._buffer_free.clear()
         self._write_q.put(job)  # before the copy starts: the writer wakes meanwhile
-        if tensors is not None and self.s.overlap_staging and not last_step:
+        if tensors is None:
+            job.staged.set()  # the failed job still goes to the writer: it must vote
+        elif last_step:
+            self._copy(job, tensors)  # flushed right below: nothing to overlap
+        else:
             self._copy_thread = threading.Thread(target=self._copy, args=(job, tensors), daemon=True)
             self._copy_thread.start()
-        elif tensors is not None:
-            self._copy(job, tensors)
         self._pending = True
         self._pending_delta = time.monotonic() - t0
         self._pending_wait = waited

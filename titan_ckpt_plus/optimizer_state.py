@@ -89,7 +89,7 @@ class OptimizerStateCache:
         if not exact:
             self.usable, self.getters = False, None
             log.info("[titan_ckpt_plus] this optimizer's state dict is not one the cache can map: "
-                     "torch rebuilds it at every save (about 10 ms of Python per save)")
+                     "torch rebuilds it at every save")
             return
         self.getters = [(k, *where[k]) for k in full]
         self.checks, self.sizes = checks, sizes

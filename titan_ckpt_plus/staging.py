@@ -203,11 +203,11 @@ class HostBuffer:
 COPY_GROUP = 8 << 20
 
 
-def _groups(layout: StateLayout, size: int, first: int = FIRST_CHUNK) -> list[tuple[int, int]]:
+def _groups(layout: StateLayout, size: int) -> list[tuple[int, int]]:
     """(end entry index, bytes staged once entries before it are copied) per group;
     the first group is no larger than the local write's first piece, so the disk
     gets its first bytes sooner."""
-    out, first_offset, limit = [], 0, min(first, size)
+    out, first_offset, limit = [], 0, min(FIRST_CHUNK, size)
     for i, e in enumerate(layout.entries):
         if e.offset + e.nbytes - first_offset >= limit:
             upto = layout.entries[i + 1].offset if i + 1 < len(layout.entries) else layout.total_bytes

@@ -91,7 +91,6 @@ def check_bytes(name: str, data, expect: dict) -> None:
         raise CorruptCheckpoint(_mismatch(name, size, crc, expect))
 
 
-
 def _address(view: memoryview) -> int | None:
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
@@ -171,7 +170,7 @@ class DurableBatch:
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             write_all(fd, chunk)
             if on_chunk:
-                on_chunk(start + len(chunk))
+                on_chunk(end)
         return {"size": len(view), SUM: crc}
 
     def __exit__(self, exc_type, *_) -> None:
