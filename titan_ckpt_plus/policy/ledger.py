@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -114,11 +115,15 @@ class FailureLedger:
 
     Every append is one ``os.write`` of one full line on an O_APPEND file
     descriptor, followed by fsync: a crash leaves at most one torn last
-    line, which ``read`` skips and the next append starts after.
+    line, which ``read`` skips and the next append starts after. Threads of
+    the writing process may append concurrently.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        # The torn-line check and the write must be one step: another thread's
+        # append landing between them would be taken for a torn line.
+        self._lock = threading.Lock()
 
     # -- writing ---------------------------------------------------------
 
@@ -147,6 +152,10 @@ class FailureLedger:
             raise ValueError(f"invalid ledger record: {rec!r}")
         # json.dumps escapes newlines inside strings: one record, one line.
         line = (json.dumps(rec, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        with self._lock:
+            self._write_line(line)
+
+    def _write_line(self, line: bytes) -> None:
         # O_RDWR only so the torn-line check below can read the last byte.
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
