@@ -41,7 +41,8 @@ def _worker(rank: int, port: int, nbytes: int, folder: str, out) -> None:
     peer = 1 - rank
     data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
     layout = b"L" * 4096
-    manifest = files.json_bytes({"rank": rank, "step": 1, "world_size": 2, "files": {
+    manifest = files.json_bytes({"job_id": "bench", "rank": rank, "step": 1, "world_size": 2,
+                                 "layout_tag": {}, "files": {
         "data": files.entry(data.numpy()), "layout": files.entry(layout)}})
     part = Part(manifest, layout, data.numpy())
     wire = Wire(dist.group.WORLD)
@@ -60,7 +61,7 @@ def _worker(rank: int, port: int, nbytes: int, folder: str, out) -> None:
         t0 = time.perf_counter()
         got, why = wire.exchange(peer, part, peer, 4 * nbytes)
         ours.append(time.perf_counter() - t0)
-        check_part(got, peer, 1, 2)
+        check_part(got, peer, 1, 2, "bench", {})
         files.write_durable(os.path.join(folder, f"ours-{rank}"), got.data)
         ours_disk.append(time.perf_counter() - t0)
     if rank == 0:

@@ -47,6 +47,8 @@ class Scenario:
     nproc: tuple = (2, 2)  # ranks per node in run 1 and run 2
     overrides: tuple = ()
     mount: Callable | None = None  # work -> context manager around both runs
+    prepare: Callable | None = None  # work -> None, before run 1 (inside the mount)
+    seeds: tuple = ()  # two or more: that many jobs, one per seed, sharing one node folder
     checks: Callable | None = None  # (work, run1) -> [failure, ...], after run 1
     final_checks: Callable | None = None  # work -> [failure, ...], after run 2
     ci: bool = False
@@ -78,10 +80,23 @@ def wipe(*nodes: str):
 
 
 def flip(*rel: str):
+    """Paths under the run's folder; `local/N/...` is inside node N's job folder."""
     def damage(work: Path) -> None:
         for r in rel:
-            harness.flip_byte(work / r)
+            head = r.split("/")
+            path = (harness.job_dir(work, head[1]).joinpath(*head[2:]) if head[0] == "local"
+                    else work / r)
+            harness.flip_byte(path)
     return damage
+
+
+def new_dump_folder(work: Path) -> None:
+    """The next run is a new job: its dump folder is new, the node's disk is not."""
+    (work / "dump").rename(work / "dump-of-the-first-job")
+
+
+def drop_pfs_folder(work: Path) -> None:
+    shutil.rmtree(work / "dump" / "checkpoint")
 
 
 def both(*damages):
@@ -116,10 +131,23 @@ def _mounted(target: Path, *commands: list):
 
 
 def small_local_disk(work: Path):
-    """Node 0's local folder on a 7 MiB tmpfs: room for one committed step of the tiny
-    job (two 2.3 MiB parts) but not two, so every later local save hits ENOSPC."""
+    """Node 0's local folder on a 7 MiB tmpfs: room for another job's 1 MiB of leftovers
+    and one committed step of the tiny job (two 2.3 MiB parts) but not two, so every
+    later local save hits ENOSPC."""
     t = work / "local" / "0"
     return _mounted(t, ["mount", "-t", "tmpfs", "-o", "size=7m", "tmpfs", str(t)])
+
+
+LEFTOVER_JOB = "20260101-000000-0ld0b0b0"
+
+
+def leftovers_of_another_job(work: Path) -> None:
+    """A finished job's step on the node's disk, which this job must neither use nor delete."""
+    job = work / "local" / "0" / f"job-{LEFTOVER_JOB}"
+    (job / "step-40").mkdir(parents=True)
+    (job / "step-40" / "rank-00000.data").write_bytes(b"\0" * (1 << 20))
+    (job / "JOB.json").write_text(f'{{"format": 1, "job_id": "{LEFTOVER_JOB}", '
+                                  f'"dump_folder": "/pfs/gone", "created_at": 0}}')
 
 
 def read_only_pfs(work: Path):
@@ -150,15 +178,36 @@ def check_disk_full(work: Path, run1) -> list[str]:
         bad.append(f"local commits {committed(work)}, local failures {sorted(failed)}")
     if not {4, 8} <= set(committed(work, "pfs_commit")):
         bad.append(f"the PFS tier stopped with the local disk: PFS commits {committed(work, 'pfs_commit')}")
+    out = "".join(p.stdout for p in run1)
+    if f"other jobs' steps there take 1.0 MiB (job {LEFTOVER_JOB}" not in out:
+        bad.append("the failed save's message does not name the other job's leftovers")
     return bad
 
 
 def no_torn_steps_on_full_disk(work: Path) -> list[str]:
     """After run 2 (flushed at its last step), the full disk holds committed steps
-    only: every failed step's parts were removed at once, not left to fill it."""
-    d = work / "local" / "0"
+    only: every failed step's parts were removed at once, not left to fill it; the
+    other job's leftovers are still there."""
+    d = harness.job_dir(work)
     torn = sorted(p.name for p in d.glob("step-*") if not (p / "COMMIT.json").exists())
-    return [f"uncommitted steps left on the full disk: {torn}"] if torn else []
+    bad = [f"uncommitted steps left on the full disk: {torn}"] if torn else []
+    if not (work / "local" / "0" / f"job-{LEFTOVER_JOB}" / "step-40" / "rank-00000.data").exists():
+        bad.append("the other job's leftovers were deleted")
+    return bad
+
+
+def first_job_untouched(work: Path) -> list[str]:
+    """The new job logged the first job's local steps and left them as they were."""
+    old = [d for d in (work / "local" / "0").glob("job-*") if d.name != f"job-{harness.job_id(work)}"]
+    bad = []
+    if [e["step"] for e in harness.ckpt_events(work, "recovery")]:
+        bad.append("the new job loaded a checkpoint")
+    if len(old) != 1 or not (old[0] / "step-6" / "COMMIT.json").exists():
+        bad.append(f"the first job's local step 6 is gone ({old})")
+    found = harness.ckpt_events(work, "foreign_local_steps")
+    if not found or found[0]["jobs"][0]["steps"] < 1:
+        bad.append("the first job's local steps were not reported as ignored")
+    return bad
 
 
 def check_read_only_pfs(work: Path, run1) -> list[str]:
@@ -203,7 +252,16 @@ SCENARIOS = [
              checks=check_torn_pfs_step(8), ci=True),
     Scenario("wipe-one-node", "kill_after_step@7:1", ("local", 6), damage=wipe("1"), nodes=2,
              overrides=MULTI),
+    Scenario("wipe-two-of-three-uneven", "kill_after_step@7:1", ("local", 6),
+             damage=wipe("1", "2"), nodes=3, nproc=(1, 1),
+             overrides=("--checkpoint.replication_factor", "2"), ci=True),
     Scenario("wipe-every-node", "kill_after_step@11:1", ("pfs", 8), damage=wipe()),
+    Scenario("pfs-folder-deleted", "kill_after_step@7:1", ("local", 6), damage=drop_pfs_folder,
+             ci=True),
+    Scenario("new-dump-folder", "kill_after_step@7:1", ("fresh", 0), damage=new_dump_folder,
+             final_checks=first_job_untouched, ci=True),
+    Scenario("two-jobs-one-node", "kill_after_step@7:0,kill_after_step@11:0",
+             (("local", 6), ("local", 10)), nproc=(1, 1), seeds=(42, 7), ci=True),
     Scenario("flip-local", "kill_after_step@11:1", ("local", 8),
              damage=flip("local/0/step-10/rank-00001.data")),
     Scenario("flip-replica", "kill_after_step@7:1", ("local", 4), nodes=2, overrides=MULTI,
@@ -211,7 +269,8 @@ SCENARIOS = [
     Scenario("flip-pfs", "kill_after_step@11:1", ("pfs", 4),
              damage=both(wipe(), flip("dump/checkpoint/step-8/__1_0.distcp"))),
     Scenario("disk-full", "kill_after_step@11:1", ("pfs", 8), mount=small_local_disk,
-             checks=check_disk_full, final_checks=no_torn_steps_on_full_disk, ci=True),
+             prepare=leftovers_of_another_job, checks=check_disk_full,
+             final_checks=no_torn_steps_on_full_disk, ci=True),
     Scenario("read-only-pfs", "kill_after_step@11:1", ("local", 10), mount=read_only_pfs,
              checks=check_read_only_pfs, ci=True),
     Scenario("sigterm", "sigterm_after_step@5:0", promoted, damage=wipe(),
@@ -232,12 +291,13 @@ class Matrix:
         self._baselines: dict = {}
 
     def launch(self, work: Path, nodes: int, nproc: int, *overrides: str, fault: str = "",
-               tag: str = "run") -> list:
+               tag: str = "run", local: Path | None = None) -> list:
         env = {"TITAN_CKPT_SAMPLE_LOG": str(work / f"{tag}.samples.jsonl")}
         args = ("--training.global_batch_size", str(2 * nproc * nodes if nodes > 1 else 4),
                 *overrides)  # one global batch for DP 1 and 2, so DP can change
         if nodes == 1:
-            procs = [harness.torchrun(work, *args, nproc=nproc, fault=fault, loss_log=f"{tag}.jsonl", env=env)]
+            procs = [harness.torchrun(work, *args, nproc=nproc, fault=fault, loss_log=f"{tag}.jsonl",
+                                      env=env, local=local)]
         else:
             procs = harness.torchrun_nodes(work, *args, nnodes=nodes, nproc=nproc, fault=fault,
                                            loss_log=f"{tag}.jsonl", env=env)
@@ -248,7 +308,7 @@ class Matrix:
     def baseline(self, nodes: int, nproc: int, overrides: tuple) -> dict:
         key = (nodes, nproc, overrides)
         if key not in self._baselines:
-            work = self.base / f"baseline-{nodes}x{nproc}"
+            work = self.base / f"baseline-{len(self._baselines)}"
             shutil.rmtree(work, ignore_errors=True)
             procs = self.launch(work, nodes, nproc, *overrides)
             if any(p.returncode for p in procs):
@@ -265,7 +325,12 @@ class Matrix:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         with sc.mount(work) if sc.mount else contextlib.nullcontext():
-            self._run(sc, work, res)
+            if sc.prepare:
+                sc.prepare(work)
+            if sc.seeds:
+                self._run_jobs_sharing_a_node(sc, work, res)
+            else:
+                self._run(sc, work, res)
         res.wall_s = time.monotonic() - t0
         return res
 
@@ -274,7 +339,6 @@ class Matrix:
         if sc.fault.startswith("kill") and all(p.returncode == 0 for p in run1):
             res.failures.append("run 1 was not killed")
         tier, step = sc.expect(work) if callable(sc.expect) else sc.expect
-        res.expected = f"{tier} {step}"
         res.failures += sc.checks(work, run1) if sc.checks else []
         if sc.damage:
             sc.damage(work)
@@ -282,29 +346,57 @@ class Matrix:
         if any(p.returncode for p in run2):
             res.failures.append("run 2 failed: " + run2[0].stdout[-1500:])
             return
+        self._check_restart(sc, work, res, tier, step, sc.overrides)
+        res.failures += sc.final_checks(work) if sc.final_checks else []
+
+    def _run_jobs_sharing_a_node(self, sc: Scenario, work: Path, res: Result) -> None:
+        """One job per seed, each with its own dump folder and the same node folder: run
+        at once with their own faults, then restarted one after the other. Each must
+        resume its own newest step and match its own uninterrupted run."""
+        import concurrent.futures as cf
+
+        jobs = [(work / f"job{i}", ("--debug.seed", str(seed)), fault, expect)
+                for i, (seed, fault, expect) in enumerate(zip(sc.seeds, sc.fault.split(","), sc.expect))]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            run1 = list(pool.map(lambda j: self.launch(j[0], 1, sc.nproc[0], *j[1], fault=j[2],
+                                                       tag="run1", local=work / "local"), jobs))
+        if any(p.returncode == 0 for procs in run1 for p in procs):
+            res.failures.append("a job's run 1 was not killed")
+        for w, overrides, _, (tier, step) in jobs:
+            run2 = self.launch(w, 1, sc.nproc[1], *overrides, tag="run2", local=work / "local")
+            if any(p.returncode for p in run2):
+                res.failures.append(f"{w.name}: run 2 failed: " + run2[0].stdout[-1500:])
+                return
+            self._check_restart(sc, w, res, tier, step, overrides)
+
+    def _check_restart(self, sc: Scenario, work: Path, res: Result, tier: str, step: int,
+                       overrides: tuple) -> None:
+        """What run 2 recovered, its losses, and that the newest steps still verify;
+        `res` gathers every job's findings."""
         recs = harness.ckpt_events(work, "recovery")
-        if not recs:
-            res.failures.append("no recovery recorded")
-            return
-        rec = recs[-1]
-        res.observed = f"{rec['tier']} {rec['step']}"
-        res.recovery_s = rec["seconds"]
-        res.bytes_read = {k: rec[f"bytes_{k}"] for k in ("local", "peer", "pfs")}
+        rec = recs[-1] if recs else {"tier": "fresh", "step": 0, "seconds": 0.0, "bytes_local": 0,
+                                     "bytes_peer": 0, "bytes_pfs": 0}
+        res.expected = " / ".join(filter(None, [res.expected, f"{tier} {step}"]))
+        res.observed = " / ".join(filter(None, [res.observed, f"{rec['tier']} {rec['step']}"]))
+        res.recovery_s = (res.recovery_s or 0.0) + rec["seconds"]
+        for k in ("local", "peer", "pfs"):
+            res.bytes_read[k] = res.bytes_read.get(k, 0) + rec[f"bytes_{k}"]
         if (rec["tier"], rec["step"]) != (tier, step):
-            res.failures.append(f"recovered {res.observed}, expected {res.expected}")
+            res.failures.append(f"recovered {rec['tier']} {rec['step']}, expected {tier} {step}")
+        if rec["tier"] == "local" and rec["bytes_pfs"]:
+            res.failures.append(f"a local recovery read {rec['bytes_pfs']} bytes from the PFS")
         if sc.nproc[0] == sc.nproc[1]:
-            res.failures += self._same_losses(sc, work, rec["step"])
+            res.failures += self._same_losses(sc, work, rec["step"], overrides)
         else:
             res.failures += self._every_sequence_once(work, rec["step"])
         res.failures += self._newest_steps_verify(work)
-        res.failures += sc.final_checks(work) if sc.final_checks else []
 
-    def _same_losses(self, sc: Scenario, work: Path, step: int) -> list[str]:
-        ref = self.baseline(sc.nodes, sc.nproc[1], sc.overrides)
+    def _same_losses(self, sc: Scenario, work: Path, step: int, overrides: tuple) -> list[str]:
+        ref = self.baseline(sc.nodes, sc.nproc[1], overrides)
         got = harness.losses(work, "run2.jsonl")
         steps = range(step + 1, STEPS + 1)
         if [got.get(s) for s in steps] != [ref[s] for s in steps]:
-            return [f"losses after step {step} differ from the uninterrupted run's"]
+            return [f"{work.name}: losses after step {step} differ from the uninterrupted run's"]
         return []
 
     @staticmethod
@@ -321,7 +413,7 @@ class Matrix:
     @staticmethod
     def _newest_steps_verify(work: Path) -> list[str]:
         """The newest committed step of every tier and node folder still verifies."""
-        steps, _ = ckpt_inspect.list_steps(str(work / "dump"), [str(p) for p in (work / "local").glob("*")])
+        steps, _ = ckpt_inspect.list_steps(str(work / "dump"))  # its local_roots.json: its job folders
         newest: dict = {}
         for s in steps:
             if s.committed and s.step > newest.get((s.tier, s.folder), (-1, ""))[0]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,11 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nnodes: int = 1,
              node_rank: int = 0, port: int = 0, timeout: int = 300, loss_log: str = "losses.jsonl",
-             config: Path = CONFIG, env: dict | None = None) -> subprocess.CompletedProcess:
+             config: Path = CONFIG, env: dict | None = None,
+             local: Path | None = None) -> subprocess.CompletedProcess:
     """One torchrun invocation of the test job with its dump and local folders under
-    `workdir`; returns the finished process (stdout and stderr together)."""
+    `workdir` (the local folders under `local` instead, if given: jobs sharing a node's
+    disk); returns the finished process (stdout and stderr together)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(ROOT),
                TITAN_CKPT_LOSS_LOG=str(workdir / loss_log), TITAN_CKPT_FAULT=fault,
@@ -27,7 +30,7 @@ def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nn
                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "titan-ckpt-test"]
     cmd = [str(TORCHRUN), *launch, "--nproc_per_node", str(nproc), "-m", "torchtitan.train",
            "--job.config_file", str(config), "--job.dump_folder", str(workdir / "dump"),
-           "--checkpoint.local_folder", str(workdir / "local" / "{node_rank}"), *overrides]
+           "--checkpoint.local_folder", str((local or workdir / "local") / "{node_rank}"), *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
 
@@ -104,6 +107,31 @@ def by_step(recs: list[dict]) -> dict[int, list[int]]:
 
 def ckpt_events(workdir: Path, kind: str) -> list[dict]:
     return events(workdir / "dump" / "titan_ckpt_plus" / "events.jsonl", kind)
+
+
+def job_id(work: Path) -> str:
+    """The id of the job whose dump folder is work/dump."""
+    return json.loads((work / "dump" / "titan_ckpt_plus" / "job.json").read_text())["job_id"]
+
+
+def job_dir(work: Path, node: str = "0") -> Path:
+    """The job's subfolder of a node's local folder (tiers/local.py)."""
+    return work / "local" / node / f"job-{job_id(work)}"
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    """A copy of a run's folders that is still the same job, so tests can restart one
+    killed run in several ways: a copied dump folder is a new job (identity.py), so the
+    copy's identity and local_roots.json are pointed at the copy's folders."""
+    shutil.copytree(src, dst)
+    plugin = dst / "dump" / "titan_ckpt_plus"
+    ident = json.loads((plugin / "job.json").read_text())
+    ident["dump_folder"] = os.path.realpath(dst / "dump")
+    (plugin / "job.json").write_text(json.dumps(ident))
+    roots = plugin / "local_roots.json"
+    if roots.exists():
+        roots.write_text(json.dumps([r.replace(str(src), str(dst)) for r in json.loads(roots.read_text())]))
+    return dst
 
 
 def flip_byte(path: Path, where: float = 0.5) -> None:

@@ -4,12 +4,11 @@ copies of them with corrupted or torn steps, and the no-torch guarantee."""
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from harness import run_without_torch, ckpt_events, events, flip_byte, torchrun
+from harness import ckpt_events, copy_run, events, flip_byte, job_dir, run_without_torch, torchrun
 from titan_ckpt_plus.cli import COMMANDS, build_parser, main
 from titan_ckpt_plus.report import render
 
@@ -26,12 +25,8 @@ def run(tmp_path_factory) -> Path:
 
 
 def _copy(run: Path, dest: Path) -> Path:
-    """A copy of the run whose local_roots.json points at the copy's local folder."""
-    work = dest / "copy"
-    shutil.copytree(run, work)
-    (work / "dump" / "titan_ckpt_plus" / "local_roots.json").write_text(
-        json.dumps([str(work / "local" / "0")]))
-    return work
+    """A copy of the run whose local_roots.json points at the copy's job folder."""
+    return copy_run(run, dest / "copy")
 
 
 def _cli(capsys, *argv) -> tuple[int, list[str]]:
@@ -71,7 +66,7 @@ def test_ls_lists_committed_local_and_pfs_steps(run, capsys):
     for (tier, step), row in rows.items():
         assert row["committed"] == "yes" and row["parts"] == "2"
         assert row["replicas"] == ("0" if tier == "local" else "-")  # one node: no replicas
-        assert row["folder"] == str(run / "local" / "0" if tier == "local" else run / "dump" / "checkpoint")
+        assert row["folder"] == str(job_dir(run) if tier == "local" else run / "dump" / "checkpoint")
         assert row["size"].endswith("MiB")
     assert rows[("local", 12)]["state"] == "committed" and rows[("pfs", 4)]["state"] == "complete"
 
@@ -83,7 +78,7 @@ def test_ls_finds_local_roots_from_explicit_args_without_the_record(run, tmp_pat
     rc, lines = _cli(capsys, "ls", work / "dump")
     assert rc == 0 and any("no local roots known" in line for line in lines)
     assert {t for t, _ in _ls_rows(lines)} == {"pfs"}
-    rc, lines = _cli(capsys, "ls", work / "dump", "--local-root", work / "local" / "0")
+    rc, lines = _cli(capsys, "ls", work / "dump", "--local-root", job_dir(work))
     assert sorted(s for (t, s), r in _ls_rows(lines).items() if t == "local" and r["committed"] == "yes") == [
         8, 10, 12]
 
@@ -93,7 +88,7 @@ def test_ls_replicas_column(run, tmp_path, capsys):
     """A replica is stored under its source rank's names, so the node's own ranks come
     from COMMIT.json's node_ranks, or else from world_size / nodes in local_roots.json."""
     work = _copy(run, tmp_path)
-    root = work / "local" / "0"
+    root = job_dir(work)
     rows = _ls_rows(_cli(capsys, "ls", work / "dump", "--local-root", root)[1])
     assert rows[("local", 12)]["replicas"] == "0"
     # as if the run had two nodes of one rank each: one of the two parts is a replica
@@ -117,7 +112,7 @@ def test_ls_replicas_column(run, tmp_path, capsys):
 @e2e
 def test_torn_steps_show_as_not_committed(run, tmp_path, capsys):
     work = _copy(run, tmp_path)
-    (work / "local" / "0" / "step-10" / "COMMIT.json").unlink()
+    (job_dir(work) / "step-10" / "COMMIT.json").unlink()
     (work / "dump" / "checkpoint" / "step-4" / ".metadata").unlink()
     (work / "dump" / "checkpoint" / "step-4" / "titan_ckpt_plus.json").unlink()
     rc, lines = _cli(capsys, "ls", work / "dump")
@@ -126,7 +121,7 @@ def test_torn_steps_show_as_not_committed(run, tmp_path, capsys):
     assert (rows[("pfs", 4)]["committed"], rows[("pfs", 4)]["state"]) == ("no", "torn (no .metadata)")
     assert rows[("local", 8)]["committed"] == rows[("local", 12)]["committed"] == "yes"
     # A torn step is not a checksum failure: its parts still verify.
-    rc, lines = _cli(capsys, "verify", work / "local" / "0" / "step-10")
+    rc, lines = _cli(capsys, "verify", job_dir(work) / "step-10")
     assert rc == 0 and all("not committed" in line for line in lines[:-1]) and len(lines) == 3
 
 
@@ -142,8 +137,9 @@ def test_verify_passes_on_the_clean_run_for_every_kind_of_path(run, capsys):
     assert len(committed) == 3 * 2  # 3 steps x 2 rank parts
     assert len([line for line in ok if line.split()[1] == "pfs"]) == 3
     assert len(ok) == len(lines) - 2 and lines[-1].endswith(" 0 FAILED, 0 unverified, 0 torn")
-    local, pfs = run / "local" / "0", run / "dump" / "checkpoint"
-    for path, n in ((local / "step-12", 2), (local, len(ok) - 3), (pfs / "step-8", 1), (pfs, 3)):
+    local, pfs = job_dir(run), run / "dump" / "checkpoint"
+    for path, n in ((local / "step-12", 2), (local, len(ok) - 3), (local.parent, len(ok) - 3),
+                    (pfs / "step-8", 1), (pfs, 3)):
         rc, lines = _cli(capsys, "verify", path)
         assert rc == 0 and len(lines) == n + 1, lines
         assert all(line.startswith("ok ") for line in lines[:-1])
@@ -153,7 +149,7 @@ def test_verify_passes_on_the_clean_run_for_every_kind_of_path(run, capsys):
 @e2e
 def test_verify_fails_naming_each_corrupted_file(run, tmp_path, capsys):
     work = _copy(run, tmp_path)
-    bad_local = work / "local" / "0" / "step-12" / "rank-00001.data"
+    bad_local = job_dir(work) / "step-12" / "rank-00001.data"
     bad_pfs = work / "dump" / "checkpoint" / "step-8" / "__0_0.distcp"
     flip_byte(bad_local)
     flip_byte(bad_pfs)
@@ -176,9 +172,9 @@ def test_verify_stock_pfs_step_is_unverified_and_missing_manifest_fails(run, tmp
     (work / "dump" / "checkpoint" / "step-4" / "titan_ckpt_plus.json").unlink()
     rc, lines = _cli(capsys, "verify", work / "dump" / "checkpoint")
     assert rc == 0 and lines[0].startswith("unverified") and "stock" in lines[0]
-    gone = work / "local" / "0" / "step-8" / "rank-00000.json"
+    gone = job_dir(work) / "step-8" / "rank-00000.json"
     gone.unlink()  # a committed step with a part lacking its manifest cannot be loaded
-    rc, lines = _cli(capsys, "verify", work / "local" / "0" / "step-8")
+    rc, lines = _cli(capsys, "verify", job_dir(work) / "step-8")
     assert rc == 1 and lines[0].split()[2] == str(gone)
 
 

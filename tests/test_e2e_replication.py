@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, flip_byte, losses, torchrun, torchrun_nodes
+from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, torchrun, torchrun_nodes
 
 pytestmark = pytest.mark.e2e
 REPL = ("--checkpoint.replication_factor=1",)
@@ -46,14 +46,9 @@ def killed(tmp_path_factory) -> Path:
     return work
 
 
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 def test_every_node_holds_its_neighbors_parts(reference):
     for node, others in (("0", (2, 3)), ("1", (0, 1))):
-        step = reference / "local" / node / "step-12"
+        step = job_dir(reference, node) / "step-12"
         for r in others:
             assert (step / f"rank-{r:05d}.data").is_file()
     rep = ckpt_events(reference, "replication")
@@ -61,18 +56,33 @@ def test_every_node_holds_its_neighbors_parts(reference):
     assert all(e["bytes_received"] > 0 for e in rep)
 
 
-def test_wiped_node_recovers_from_its_neighbor_without_reading_the_pfs(reference, killed, tmp_path):
-    work = _copy(killed, tmp_path / "w")
-    shutil.rmtree(work / "local" / "1")
-    _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
+def test_wiped_node_recovers_from_its_neighbor_never_from_another_jobs_parts(reference, killed, tmp_path):
+    """Node 1 lost this job's folder. Both node folders also hold another job's newer
+    steps (the reference run's, up to step 12: own parts and replicas of each other's
+    ranks). The restart comes back from node 0's replicas of this job's step 6, with
+    0 PFS bytes, bit exact; the other job's files are logged, not used, not deleted."""
+    work = copy_run(killed, tmp_path / "w")
+    shutil.rmtree(job_dir(work, "1"))
+    for node in ("0", "1"):
+        other = job_dir(reference, node)
+        shutil.copytree(other, work / "local" / node / other.name)
+    procs = torchrun_nodes(work, *REPL, loss_log="run2.jsonl")
+    _all_ok(procs)
     rec = _recovery(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 6, 0)
     assert rec["bytes_peer"] > 0 and rec["source"] == "local+peer"
     _same_losses_from(work, reference, 7, "run2.jsonl")
+    other_id = job_dir(reference).name[len("job-"):]
+    found = ckpt_events(work, "foreign_local_steps")
+    assert sorted(f["jobs"][0]["job_id"] for f in found) == [other_id, other_id]
+    assert "holds other jobs' local steps, ignored" in procs[0].stdout
+    for node in ("0", "1"):
+        assert sorted(p.name for p in (work / "local" / node / f"job-{other_id}").glob("step-*/COMMIT.json")
+                      for p in [p.parent]) == ["step-10", "step-12", "step-8"]
 
 
 def test_all_local_folders_wiped_resumes_from_the_pfs(reference, killed, tmp_path):
-    work = _copy(killed, tmp_path / "w")
+    work = copy_run(killed, tmp_path / "w")
     shutil.rmtree(work / "local")
     _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
     rec = _recovery(work)
@@ -82,9 +92,9 @@ def test_all_local_folders_wiped_resumes_from_the_pfs(reference, killed, tmp_pat
 
 
 def test_corrupt_replica_is_rejected_and_an_older_step_is_used(reference, killed, tmp_path):
-    work = _copy(killed, tmp_path / "w")
+    work = copy_run(killed, tmp_path / "w")
     shutil.rmtree(work / "local" / "1")
-    flip_byte(work / "local" / "0" / "step-6" / "rank-00002.data")
+    flip_byte(job_dir(work) / "step-6" / "rank-00002.data")
     _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
     rec = _recovery(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, flip_byte, losses, torchrun
+from harness import ckpt_events, flip_byte, job_dir, losses, torchrun
 
 pytestmark = pytest.mark.e2e
 STEPS = 12
@@ -47,7 +47,7 @@ def _same_losses_from(work, reference, first_step, name):
 def test_both_tiers_written_at_their_intervals(reference):
     assert [e["step"] for e in ckpt_events(reference, "local_commit")] == list(range(2, 13, 2))
     assert [e["step"] for e in ckpt_events(reference, "pfs_commit")] == [4, 8, 12]
-    local = reference / "local" / "0"
+    local = job_dir(reference)
     assert sorted(p.name for p in local.glob("step-*/COMMIT.json") for p in [p.parent]) == [
         "step-10", "step-12", "step-8"]  # local_keep_latest_k = 3
     pfs = reference / "dump" / "checkpoint"
@@ -94,7 +94,7 @@ def torn(tmp_path_factory) -> Path:
 
 
 def test_step_torn_by_a_kill_is_never_loaded(reference, torn):
-    step8 = torn / "local" / "0" / "step-8"
+    step8 = job_dir(torn) / "step-8"
     assert step8.is_dir() and not (step8 / "COMMIT.json").exists()
     _ok(torchrun(torn, loss_log="run2.jsonl"))
     rec = _recovery(torn)
@@ -103,7 +103,7 @@ def test_step_torn_by_a_kill_is_never_loaded(reference, torn):
 
 
 def test_flipped_bytes_fall_back_to_an_older_valid_step(reference, torn):
-    flip_byte(torn / "local" / "0" / "step-12" / "rank-00001.data")
+    flip_byte(job_dir(torn) / "step-12" / "rank-00001.data")
     flip_byte(torn / "dump" / "checkpoint" / "step-12" / "__1_0.distcp")
     proc = _ok(torchrun(torn, loss_log="run3.jsonl"))
     rec = _recovery(torn)

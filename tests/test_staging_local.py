@@ -1,6 +1,7 @@
 """Staging, the local tier's files, and recovery ordering (no torchrun)."""
 
 import io
+import json
 import os
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 
 from titan_ckpt_plus import recovery, staging
 from titan_ckpt_plus.tiers import files
+from titan_ckpt_plus.replication import Part, check_part
 from titan_ckpt_plus.tiers.local import COMMIT, LocalTier
 
 
@@ -61,18 +63,19 @@ def test_copy_into_updates_live_tensors_in_place_and_rejects_shape_change():
         staging.copy_into({"w": torch.zeros(2)}, {"w": torch.ones(3)})
 
 
-def _write(tier, step, state):
+def _write(tier, step, state, tag=None):
     layout, data = _stage(state)
-    tier.write_part(step, data.numpy(), lambda: (layout.to_bytes(), {"layout_tag": {"m": 1}}))
+    tier.write_part(step, data.numpy(), lambda: (layout.to_bytes(), {"layout_tag": tag or {"m": 1}}))
     return layout
 
 
 def test_local_tier_commit_verify_and_detect_flipped_byte(tmp_path):
-    tier = LocalTier(str(tmp_path), rank=0, world_size=1, first_on_node=True, keep_latest_k=2)
+    tier = LocalTier(str(tmp_path), rank=0, world_size=1, first_on_node=True, keep_latest_k=2,
+                     job_id="J")
     _write(tier, 5, _state())
-    assert tier.held_parts({"m": 1}) == {}  # not committed yet
+    assert tier.held_parts([{"m": 1}]) == {}  # not committed yet
     tier.commit(5, {})
-    assert tier.held_parts({"m": 1}) == {5: [0]} and tier.held_parts({"m": 2}) == {}
+    assert tier.held_parts([{"m": 1}]) == {5: [0]} and tier.held_parts([{"m": 2}]) == {}
     layout_bytes, data, n = tier.read_part(5)
     assert n == os.path.getsize(tier._part(5, "data")) + len(layout_bytes)
     path = tier._part(5, "data")
@@ -92,20 +95,58 @@ def test_resaving_a_step_drops_the_old_commit_first(tmp_path):
 
 
 def test_replica_is_stored_under_its_source_rank_and_purged_by_its_holder(tmp_path):
-    src = LocalTier(str(tmp_path / "a"), rank=2, world_size=4, first_on_node=True, keep_latest_k=2)
+    src = LocalTier(str(tmp_path / "a"), rank=2, world_size=4, first_on_node=True, keep_latest_k=2,
+                    job_id="J")
     layout, data = _stage(_state())
     manifest, _ = src.write_part(6, data.numpy(), lambda: (layout.to_bytes(), {"layout_tag": {"m": 1}}))
-    holder = LocalTier(str(tmp_path / "b"), rank=0, world_size=4, first_on_node=True, keep_latest_k=2)
+    holder = LocalTier(str(tmp_path / "b"), rank=0, world_size=4, first_on_node=True, keep_latest_k=2,
+                       job_id="J")
     holder.write_replica(6, 2, *src.read_raw(6))
     assert holder.read_raw(6, 2)[0] == manifest
     holder.commit(6, {})
-    assert holder.held_parts({"m": 1}) == {6: [2]}
+    assert holder.held_parts([{"m": 1}] * 4) == {6: [2]}
     assert holder.read_part(6, 2)[2] == src.read_part(6)[2]
     for s in (8, 10):
         holder.write_replica(s, 2, *src.read_raw(6))
         holder.commit(s, {})
     holder.purge(protected=set(), held=[2])
     assert not (tmp_path / "b" / "step-6").exists()
+
+
+def test_a_held_part_is_checked_against_its_source_ranks_layout_and_this_job(tmp_path):
+    """3 ranks, uneven shards: each rank's layout tag differs. A replica of rank 2 held
+    by rank 0 is valid when it matches rank 2's tag (not rank 0's); a part or a marker
+    of another job is never held, even inside this job's folder."""
+    tags = [{"rows": 22}, {"rows": 21}, {"rows": 21, "r": 2}]
+    src = LocalTier(str(tmp_path / "src"), rank=2, world_size=3, first_on_node=True, keep_latest_k=2,
+                    job_id="J")
+    _write(src, 6, _state(), tag=tags[2])
+    other = LocalTier(str(tmp_path / "other"), rank=1, world_size=3, first_on_node=True,
+                      keep_latest_k=2, job_id="K")
+    _write(other, 6, _state(), tag=tags[1])
+    holder = LocalTier(str(tmp_path / "holder"), rank=0, world_size=3, first_on_node=True,
+                       keep_latest_k=2, job_id="J")
+    _write(holder, 6, _state(), tag=tags[0])
+    holder.write_replica(6, 2, *src.read_raw(6))
+    holder.write_replica(6, 1, *other.read_raw(6))  # another job's part, same step number
+    holder.commit(6, {})
+    assert holder.held_parts(tags) == {6: [0, 2]}
+    assert holder.held_parts([tags[0]] * 3) == {6: [0]}  # the holder's own tag: rank 2 rejected
+    with open(os.path.join(holder.step_dir(6), COMMIT), "w") as f:
+        json.dump({"job_id": "K", "step": 6}, f)
+    assert holder.held_parts(tags) == {}  # the marker is another job's
+
+
+def test_a_replica_of_another_job_or_layout_is_refused_on_receipt(tmp_path):
+    src = LocalTier(str(tmp_path / "src"), rank=1, world_size=2, first_on_node=True, keep_latest_k=2,
+                    job_id="J")
+    _write(src, 4, _state(), tag={"rows": 3})
+    part = Part(*src.read_raw(4))
+    assert check_part(part, 1, 4, 2, "J", {"rows": 3})["rank"] == 1
+    with pytest.raises(files.CorruptCheckpoint, match="'job_id': 'J'.*expected.*'job_id': 'K'"):
+        check_part(part, 1, 4, 2, "K", {"rows": 3})
+    with pytest.raises(files.CorruptCheckpoint, match="layout differs"):
+        check_part(part, 1, 4, 2, "J", {"rows": 4})
 
 
 def test_purge_keeps_newest_k_protected_and_in_flight(tmp_path):

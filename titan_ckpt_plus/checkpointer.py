@@ -13,6 +13,7 @@ A failed save (disk full, permission, I/O error) is logged and counted; training
 goes on and the older checkpoints stay.
 """
 
+import errno
 import queue
 import shutil
 import threading
@@ -46,10 +47,15 @@ class TierSettings:
     rank: int
     world_size: int
     first_on_node: bool
-    layout_tag: dict = field(default_factory=dict)
+    job_id: str = ""  # every part, marker and PFS manifest records it (identity.py)
+    layout_tags: list = field(default_factory=list)  # per rank: world size, shard shapes
     pin: bool = False
     replication_backend: str = "gloo"
     node_ranks: list = field(default_factory=list)  # ranks sharing this node folder
+
+    @property
+    def layout_tag(self) -> dict:
+        return self.layout_tags[self.rank] if self.layout_tags else {}
 
 
 @dataclass
@@ -97,8 +103,9 @@ class TieredCheckpointer:
         self.s = s
         self.capture = capture
         self.events = events
-        self.local = LocalTier(s.local_root, s.rank, s.world_size, s.first_on_node, s.local_keep)
-        self.pfs = PfsTier(s.pfs_folder, s.rank, s.world_size, s.pfs_keep)
+        self.local = LocalTier(s.local_root, s.rank, s.world_size, s.first_on_node, s.local_keep,
+                               s.job_id)
+        self.pfs = PfsTier(s.pfs_folder, s.rank, s.world_size, s.pfs_keep, s.job_id)
         self.stats = SaveStats()
         # Per-save figures once per job, not once per rank; warnings stay on every rank.
         self._info = log.info if s.rank == 0 else (lambda *_: None)
@@ -295,7 +302,7 @@ class TieredCheckpointer:
         (a local state already read and checked, or a PFS step to dcp.load)."""
         rec = Recovery(None)
         reports: list = [None] * self.s.world_size
-        dist.all_gather_object(reports, self.local.held_parts(self.s.layout_tag), group=self.commit_pg)
+        dist.all_gather_object(reports, self.local.held_parts(self.s.layout_tags), group=self.commit_pg)
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         for tier, step in recovery.ordered_candidates(reports, self.pfs.steps()):
@@ -338,7 +345,7 @@ class TieredCheckpointer:
             if why:
                 return None, why
             if part is not None:
-                check_part(part, me, step, self.s.world_size)
+                check_part(part, me, step, self.s.world_size, self.s.job_id, self.s.layout_tag)
                 layout_bytes, data = part.layout, part.data
             else:
                 layout_bytes, data, n = self.local.read_part(step)
@@ -386,7 +393,10 @@ class TieredCheckpointer:
                 nbytes = own.nbytes()
             except Exception as e:
                 if not job.progress.failed:  # a failed copy was counted by _copy
-                    self._failed("local", job.step, repr(e))
+                    why = repr(e)
+                    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                        why += f"; local disk full: {self.local.disk_full_note()}"
+                    self._failed("local", job.step, why)
                 own = None
         job.staged.wait()
         staged_ok = job.ok  # the staging copy's outcome; a failed copy also failed the write
@@ -473,7 +483,8 @@ class TieredCheckpointer:
             try:
                 if part is None:
                     raise CorruptCheckpoint(why)
-                check_part(part, src, job.step, self.s.world_size)
+                check_part(part, src, job.step, self.s.world_size, self.s.job_id,
+                           self.s.layout_tags[src])
                 self.local.write_replica(job.step, src, part.manifest, part.layout, part.data)
                 received += part.nbytes()
             except Exception as e:

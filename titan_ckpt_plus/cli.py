@@ -9,6 +9,7 @@ torch: subcommands that need heavy libraries import them inside ``cmd_*``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -218,7 +219,6 @@ def _summary_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_summary(args: argparse.Namespace) -> int:
     """What the plugin did in a run (all incarnations): saves, recoveries, delta."""
-    import os
     import statistics
 
     from .telemetry import read_events
@@ -264,23 +264,162 @@ local_roots.json; "?" when neither is known, e.g. a root given only by
 Local roots come from DUMP_FOLDER/titan_ckpt_plus/local_roots.json (written by
 the plugin), any local_root(s) field in events.jsonl, and --local-root. PFS
 folders are the dump folder's children that hold step-N folders. A local step
-without COMMIT.json, or a PFS step without .metadata, is listed as torn."""
+without COMMIT.json, or a PFS step without .metadata, is listed as torn.
+
+Given a node's local folder instead (the [checkpoint] local_folder every job
+on the node shares), list one row per job there: its dump folder (from its
+JOB.json), steps, size, age of its newest file, whether a process holds its
+lock (still writing) and its status: running; resumable (its dump folder still
+holds its identity); stale: no job will load its steps again (dump folder
+missing, or now another job's or none's); legacy: steps written before job
+identities, which no job loads; unknown: JOB.json or the dump folder cannot be
+read from here. `titan-ckpt clean` removes stale steps on request."""
     p.epilog = """\
 examples:
   titan-ckpt ls outputs/run1
-  titan-ckpt ls outputs/run1 --local-root /local_nvme/ckpt/0 --local-root /mnt/n1/ckpt/1"""
-    p.add_argument("dump_folder", help="the job's [job] dump_folder")
+  titan-ckpt ls outputs/run1 --local-root /local_nvme/ckpt/0 --local-root /mnt/n1/ckpt/1
+  titan-ckpt ls /local_nvme/ckpt/0              # every job's steps on this node"""
+    p.add_argument("path", metavar="PATH", help="the job's [job] dump_folder, or a node's local folder")
     p.add_argument("--local-root", action="append", default=[], metavar="PATH",
-                   help="a node-local checkpoint folder to list too (repeatable)")
+                   help="with a dump folder: a node-local checkpoint folder to list too (repeatable)")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """Steps per tier and node folder, committed or not."""
-    from .inspect import list_steps, ls_table
+    """Steps per tier and node folder, committed or not; or every job of a node folder."""
+    from .inspect import is_node_folder, list_steps, ls_table
 
-    steps, notes = list_steps(args.dump_folder, args.local_root)
+    if is_node_folder(args.path):
+        return _ls_node(args)
+    steps, notes = list_steps(args.path, args.local_root)
     print("\n".join([f"# {n}" for n in notes] + (ls_table(steps) if steps else ["no steps found"])))
     return 0 if steps else 1
+
+
+def _ls_node(args: argparse.Namespace) -> int:
+    """One row per job of a node's local folder, and the hint to clean stale ones."""
+    from .inspect import job_status, jobs_table
+    from .tiers.local import node_jobs
+
+    if args.local_root:
+        print(f"error: --local-root goes with a dump folder; {args.path} is a node's local folder")
+        return 2
+    jobs = node_jobs(os.path.abspath(args.path))
+    print(f"# node folder {os.path.abspath(args.path)}: {len(jobs)} jobs")
+    print("\n".join(jobs_table(jobs)))
+    if any(job_status(j)[1] for j in jobs):
+        print(f"# stale steps are never deleted by a job: titan-ckpt clean {args.path} --dry-run")
+    return 0 if jobs else 1
+
+
+def _clean_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = """\
+Remove other jobs' leftover steps from a node's local folder. A job never
+deletes another job's steps (nor its own after it ends), so they stay until
+this command removes them; it only runs when asked.
+
+Removed by default: each job whose status in `titan-ckpt ls LOCAL_FOLDER` is
+stale (its dump folder is missing, or now holds another job's identity or
+none, so no job will load its steps again), and the legacy steps directly in
+the folder (written before job identities, never loaded). --job also removes
+the jobs named, --older-than every idle job whose newest file is that old.
+
+A job whose lock is held (still writing) is never removed. Each job folder is
+removed while this command holds its lock, so no job starts writing in it
+meanwhile (one starting at that moment is refused, naming this process; start
+it again). Status is judged from this host: a dump folder counts as missing
+only when the folder above it is visible (on a PFS not mounted here it is
+"unknown" and kept), so run it where the jobs' dump folders are visible, and
+--dry-run first.
+
+exit status: 0 done (also when nothing was to be removed), 1 a selected job
+could not be removed (each one is named), 2 LOCAL_FOLDER missing or not a
+node's local folder, or a --job not in it."""
+    p.epilog = """\
+examples:
+  titan-ckpt clean /local_nvme/ckpt/0 --dry-run
+  titan-ckpt clean /local_nvme/ckpt/0
+  titan-ckpt clean /local_nvme/ckpt/0 --job 20250101-120000-ab12cd34
+  titan-ckpt clean /local_nvme/ckpt/0 --older-than 72 --dry-run"""
+    p.add_argument("local_folder", help="a node's local folder ([checkpoint] local_folder, {node_rank} filled in)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed, change nothing")
+    p.add_argument("--job", action="append", default=[], metavar="ID",
+                   help="also remove this job's steps, whatever its status unless running (repeatable)")
+    p.add_argument("--older-than", type=float, default=None, metavar="HOURS",
+                   help="also remove every idle job whose newest file is older than this")
+
+
+def _remove(job) -> str:
+    """Delete a job's folder (or the legacy steps); "" once done, else why not.
+    The folder's lock is taken first: a job holding it is writing there."""
+    import shutil
+
+    from .tiers import files
+    from .tiers.local import JobLock
+
+    if job.job_id is None:
+        try:
+            for name in os.listdir(job.path):
+                path = os.path.join(job.path, name)
+                if files.step_of(name) is not None:
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        except OSError as e:
+            return f"not all removed ({e})"
+        return ""
+    lock = JobLock(job.path)
+    try:
+        who = lock.acquire()
+        if who:
+            return f"still writing ({who})"
+        shutil.rmtree(job.path)
+    except OSError as e:
+        return f"not all removed ({e})"
+    finally:
+        lock.release()
+    return ""
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    """Remove stale, named or old jobs' steps from a node's local folder."""
+    import time
+
+    from .inspect import human_bytes, job_status, node_folder_problem, wants_clean
+    from .tiers.local import node_jobs
+
+    folder = os.path.abspath(args.local_folder)
+    problem = node_folder_problem(folder)
+    if problem:
+        print(f"error: {problem}")
+        return 2
+    jobs, now = node_jobs(folder), time.time()
+    missing = sorted(set(args.job) - {j.job_id for j in jobs})
+    if missing:
+        print(f"error: no job {', '.join(missing)} in {folder}")
+        return 2
+    older = None if args.older_than is None else args.older_than * 3600
+    verb = "would remove" if args.dry_run else "removed"
+    gone, failed = [], 0
+    for j in jobs:
+        status, stale = job_status(j)
+        name = j.job_id or "(no identity)"
+        if j.writing:
+            print(f"kept {name}: still writing ({j.writing})")
+        elif not wants_clean(j, stale, args.job, older, now):
+            print(f"kept {name}: {status}")
+        elif why := ("" if args.dry_run else _remove(j)):
+            print(f"kept {name}: {why}")
+            failed += 1
+        else:
+            n = len(j.steps)
+            what = f"{n} step{'s' * (n != 1)}, {human_bytes(j.size)}"
+            where = (f"directly in {j.path}" if j.job_id is None
+                     else f"dump folder {j.record.get('dump_folder', '?')}")
+            print(f"{verb} {'legacy steps' if j.job_id is None else 'job ' + j.job_id} "
+                  f"({what}), {where}: {status}")
+            gone.append(j)
+    print(f"total: {verb} {sum(len(j.steps) for j in gone)} steps, "
+          f"{human_bytes(sum(j.size for j in gone))}; kept {len(jobs) - len(gone)} of {len(jobs)} jobs")
+    return 1 if failed else 0
 
 
 def _verify_args(p: argparse.ArgumentParser) -> None:
@@ -364,7 +503,10 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
              _plan_args, cmd_plan),
     "simulate": ("replay a failure trace through checkpoint policies", _simulate_args, cmd_simulate),
     "summary": ("what the plugin did in a run: saves, recoveries, delta per tier", _summary_args, cmd_summary),
-    "ls": ("list checkpoint steps per tier and node folder: committed, size, age", _ls_args, cmd_ls),
+    "ls": ("list checkpoint steps per tier and node folder: committed, size, age; or a node "
+           "folder's jobs", _ls_args, cmd_ls),
+    "clean": ("remove other jobs' stale steps from a node's local folder (--dry-run first)",
+              _clean_args, cmd_clean),
     "verify": ("check every checksum under a step, tier or dump folder; non-zero on failure", _verify_args, cmd_verify),
     "report": ("PNG plots of delta, write time, interval and MTBF from the events file", _report_args, cmd_report),
 }

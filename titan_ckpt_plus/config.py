@@ -11,6 +11,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from titan_ckpt_plus.identity import valid_job_id
+
 
 @dataclass
 class Checkpoint:
@@ -69,6 +71,13 @@ class Checkpoint:
     newest local step to the PFS if that fits, and stops within this many seconds.
     Keep it below the launcher's kill timeout (torchrun's --shutdown_timeout, 30 s by
     default). 0 leaves SIGTERM to the default handler (the job dies at once)."""
+
+    adopt_job: str = ""
+    """Take an existing job identity on purpose: its id, as the log, job.json and
+    `titan-ckpt ls` show it. That job's local steps, replicas and PFS steps in this
+    job's folders become this job's (for a dump folder that was moved, or whose
+    titan_ckpt_plus/job.json was lost); the job that made them must not be restarted.
+    To start from another job's weights instead, use initial_load_path."""
 
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
@@ -186,6 +195,11 @@ def validate(ckpt, dump_folder: str) -> None:
             "their retention would delete each other's steps. Fix: point local_folder "
             "at node-local storage outside the PFS folder."
         )
+    if ckpt.adopt_job and not valid_job_id(ckpt.adopt_job):
+        raise ConfigError(
+            f"[checkpoint] adopt_job = {ckpt.adopt_job!r} is not a job id. Fix: the id of the job "
+            "to continue, as its log, titan_ckpt_plus/job.json or `titan-ckpt ls` shows it "
+            "(e.g. adopt_job = '20261201-072754-3fa9c2d1'), or \"\" for this job's own.")
     if getattr(ckpt, "dataloader_resume", "global_samples") not in ("global_samples", "per_rank"):
         raise ConfigError(
             f"[checkpoint] dataloader_resume = {ckpt.dataloader_resume!r} is unknown. "

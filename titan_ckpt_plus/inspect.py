@@ -1,8 +1,10 @@
-"""Read a run's checkpoint folders without torch: what `titan-ckpt ls` and `verify` show.
+"""Read a run's checkpoint folders without torch: what `titan-ckpt ls`, `verify` and
+`clean` show.
 
 Layouts (see tiers/local.py and tiers/pfs.py, which write them):
 
     <local_root>/step-N/rank-R.{data,layout,json} [+ COMMIT.json]      one root per node
+    <node_folder>/job-<id>/JOB.json, .lock, step-N/...   a local root is a job's subfolder
     <dump_folder>/<folder>/step-N/.metadata, __R_I.distcp [+ titan_ckpt_plus.json]
     <dump_folder>/titan_ckpt_plus/events.jsonl, local_roots.json
 
@@ -16,8 +18,10 @@ import re
 import time
 from dataclasses import dataclass
 
+from titan_ckpt_plus import identity
 from titan_ckpt_plus.tiers import files
-from titan_ckpt_plus.tiers.local import COMMIT
+from titan_ckpt_plus.tiers.files import human_bytes
+from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, NodeJob, node_jobs
 
 PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
@@ -217,14 +221,6 @@ def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[
     return steps, notes
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
 def human_age(seconds: float) -> str:
     seconds = max(0.0, seconds)
     for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -250,12 +246,125 @@ LS_HEADER = ["tier", "folder", "step", "committed", "state", "parts", "size", "a
 _LS_LEFT = {0, 1, 3, 4}
 
 
-def ls_table(steps: list[StepInfo], now: float | None = None) -> list[str]:
-    """The `ls` table: text columns left-aligned, numbers right-aligned."""
-    rows = [LS_HEADER] + ls_rows(steps, now)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(LS_HEADER))]
-    return ["  ".join(c.ljust(w) if i in _LS_LEFT else c.rjust(w)
+def _table(header: list[str], rows: list[list[str]], left: set[int]) -> list[str]:
+    """Text columns (`left`) left-aligned, numbers right-aligned."""
+    rows = [header] + rows
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i in left else c.rjust(w)
                       for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+
+
+def ls_table(steps: list[StepInfo], now: float | None = None) -> list[str]:
+    """The `ls` table of a dump folder's steps."""
+    return _table(LS_HEADER, ls_rows(steps, now), _LS_LEFT)
+
+
+# ---- a node's local folder: every job's steps (ls, clean) --------------------
+
+
+def node_folder_problem(path: str) -> str:
+    """Why `path` is not a node's local folder ("" if it is). Steps directly in it
+    count as written before job identities, so a job's own subfolder or a PFS folder
+    must never be taken for one: clean would remove their steps."""
+    if not os.path.isdir(path):
+        return f"{path}: no such folder"
+    if os.path.isdir(os.path.join(path, PLUGIN_DIR)):
+        return f"{path} is a dump folder (it has {PLUGIN_DIR}/), not a node's local folder"
+    if (os.path.basename(os.path.normpath(path)).startswith(JOB_PREFIX)
+            or any(os.path.exists(os.path.join(path, n)) for n in (JOB_RECORD, LOCK))):
+        return (f"{path} is one job's folder, not a node's local folder: give the folder "
+                f"above it, {os.path.dirname(os.path.normpath(path))}")
+    if any(step_kind(d) == "pfs" for _, d in _step_dirs(path)):
+        return f"{path} holds PFS steps, not a node's local folder"
+    return ""
+
+
+def is_node_folder(path: str) -> bool:
+    """A node's local folder that holds something: job-<id> subfolders, or steps
+    written before job identities."""
+    if node_folder_problem(path):
+        return False
+    return (any(n.startswith(JOB_PREFIX) and os.path.isdir(os.path.join(path, n))
+                for n in os.listdir(path))
+            or any(step_kind(d) == "local" for _, d in _step_dirs(path)))
+
+
+def _short_problem(job: NodeJob) -> str:
+    return job.problem.replace(os.path.join(job.path, JOB_RECORD), JOB_RECORD)
+
+
+def job_status(job: NodeJob) -> tuple[str, bool]:
+    """What a job's steps in a node folder are now, and whether they are stale: no
+    job will ever load them. Only the job whose identity its dump folder holds loads
+    them (identity.establish gives a start in a missing, copied or garbled dump
+    folder a new id), so a dump folder that is gone, or now names another job or
+    none, makes them stale. What cannot be read here (JOB.json, a dump folder this
+    user cannot see into) is "unknown", never stale."""
+    if job.job_id is None:
+        return "legacy: no job identity, never loaded", True
+    if job.writing:
+        return "running", False
+    if job.problem:
+        return f"unknown: {_short_problem(job)}", False
+    dump = job.record["dump_folder"]
+    try:
+        os.stat(dump)
+    except FileNotFoundError:  # gone, unless the whole file system is not mounted here
+        if os.path.isdir(os.path.dirname(os.path.normpath(dump))):
+            return "stale: dump folder missing", True
+        return "unknown: dump folder's parent not visible from this host (PFS not mounted?)", False
+    except OSError as e:
+        return f"unknown: dump folder unreachable ({e.strerror or e})", False
+    try:
+        with open(identity.job_file(dump), "rb") as f:
+            raw = f.read(1 << 16)
+    except FileNotFoundError:
+        return "stale: dump folder has no job identity", True
+    except OSError as e:
+        return f"unknown: dump folder identity unreadable ({e.strerror or e})", False
+    try:
+        found = identity.parse(raw).job_id
+    except identity.IdentityError:
+        return "stale: dump folder identity unreadable", True
+    if found != job.job_id:
+        return f"stale: dump folder is now job {found}", True
+    return "resumable", False
+
+
+def wants_clean(job: NodeJob, stale: bool, ids: list[str], older_than_s: float | None,
+                now: float) -> bool:
+    """Whether `clean` removes a job's steps: stale ones, the jobs named, and with
+    --older-than the idle ones untouched that long; never a job that is writing."""
+    if job.writing:
+        return False
+    old = older_than_s is not None and now - job.newest > older_than_s
+    return stale or job.job_id in ids or old
+
+
+def _steps_cell(steps: list[int], show: int = 6) -> str:
+    if len(steps) <= show:
+        return ",".join(map(str, steps)) or "-"
+    return f"{steps[0]},...,{','.join(map(str, steps[-3:]))} ({len(steps)} steps)"
+
+
+def job_rows(jobs: list[NodeJob], now: float | None = None) -> list[list[str]]:
+    now = time.time() if now is None else now
+    rows = []
+    for j in jobs:
+        dump = "-" if j.job_id is None else j.record.get("dump_folder") or (
+            f"({_short_problem(j).split(' (')[0]})")  # the detail is in the status
+        rows.append([j.job_id or "(no identity)", dump, _steps_cell(j.steps), human_bytes(j.size),
+                     human_age(now - j.newest) if j.newest else "-",
+                     f"yes ({j.writing})" if j.writing else "no", job_status(j)[0]])
+    return rows
+
+
+JOBS_HEADER = ["job", "dump_folder", "steps", "size", "age", "writing", "status"]
+
+
+def jobs_table(jobs: list[NodeJob], now: float | None = None) -> list[str]:
+    """The `ls` table of a node folder: one row per job."""
+    return _table(JOBS_HEADER, job_rows(jobs, now), {0, 1, 2, 5, 6})
 
 
 # ---- verify ---------------------------------------------------------------
@@ -357,8 +466,9 @@ def verify_step(path: str) -> list[Check]:
 
 
 def verify_path(path: str, extra_roots: list[str] | None = None) -> tuple[list[Check], list[str]]:
-    """Checks for a step folder, a folder of steps (local root or PFS folder) or a dump
-    folder (its PFS folders and every local root it records); and notes."""
+    """Checks for a step folder, a folder of steps (a job's local folder or a PFS
+    folder), a node's local folder (every job's folder in it) or a dump folder (its PFS
+    folders and every local root it records); and notes."""
     path = os.path.abspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such folder")
@@ -367,7 +477,9 @@ def verify_path(path: str, extra_roots: list[str] | None = None) -> tuple[list[C
     notes, folders = [], []
     if _step_dirs(path):
         folders.append(path)
-    else:  # a dump folder
+    if is_node_folder(path):
+        folders += [j.path for j in node_jobs(path) if j.job_id is not None]
+    elif not folders:  # a dump folder
         for root, src in local_roots(path, extra_roots):
             if os.path.isdir(root):
                 folders.append(root)

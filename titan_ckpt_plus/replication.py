@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt_plus.tiers import files
+from titan_ckpt_plus.tiers.local import part_matches
 
 CHUNK = 64 << 20
 MAX_MANIFEST = 1 << 20
@@ -130,18 +131,21 @@ class Wire:
                 landing[0].copy_(landing[1])
 
 
-def check_part(part: Part, rank: int, step: int, world_size: int) -> dict:
-    """The received part's manifest, if it is the part of `rank` at `step` and its
-    bytes match it; else CorruptCheckpoint."""
+def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,
+               layout_tag: dict) -> dict:
+    """The received part's manifest, if it is this job's part of `rank` at `step`, in
+    the layout `rank` has, and its bytes match it; else CorruptCheckpoint."""
     try:
         manifest = json.loads(part.manifest)
         entries = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise files.CorruptCheckpoint(f"rank {rank} step {step}: unreadable manifest ({e})") from None
-    if (manifest.get("rank"), manifest.get("step"), manifest.get("world_size")) != (rank, step, world_size):
-        raise files.CorruptCheckpoint(
-            f"rank {rank} step {step}: manifest is for rank {manifest.get('rank')} "
-            f"step {manifest.get('step')} world {manifest.get('world_size')}")
+    if not part_matches(manifest, rank, step, job_id, world_size, layout_tag):
+        got = {k: manifest.get(k) for k in ("job_id", "rank", "step", "world_size")}
+        want = {"job_id": job_id, "rank": rank, "step": step, "world_size": world_size}
+        what = (f"manifest is for {got}, expected {want}" if got != want
+                else "manifest's layout differs from that rank's")
+        raise files.CorruptCheckpoint(f"rank {rank} step {step}: {what}")
     files.check_bytes(f"rank {rank} step {step} layout", part.layout, entries["layout"])
     files.check_bytes(f"rank {rank} step {step} data", part.data, entries["data"])
     return manifest

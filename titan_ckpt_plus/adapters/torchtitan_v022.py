@@ -22,7 +22,7 @@ from torchtitan.components import checkpoint as tt_checkpoint
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.tools.logging import logger
 
-from titan_ckpt_plus import config, cpu_fallback, faults, flavors
+from titan_ckpt_plus import config, cpu_fallback, faults, flavors, identity
 from titan_ckpt_plus.adapters import torchtitan_v022_data
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.optimizer_state import OptimizerStateCache
@@ -32,6 +32,8 @@ from titan_ckpt_plus.policy.schedule import IntervalPolicy
 from titan_ckpt_plus.staging import copy_into
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.files import atomic_write_json
+from titan_ckpt_plus.tiers.local import JobLock, claim_job_dir, job_dir, node_jobs
+from titan_ckpt_plus.tiers.pfs import PfsTier
 
 _StockManager = tt_checkpoint.CheckpointManager
 
@@ -53,11 +55,14 @@ class TieredCheckpointManager(_StockManager):
         super().__init__(dataloader, model_parts, optimizers, lr_schedulers, states,
                          checkpoint_config, sd_adapter, base_folder, ft_manager)
         self.tiered: TieredCheckpointer | None = None
+        self._job_lock: JobLock | None = None
         if not self.enable:
             return
         rank, world = dist.get_rank(), dist.get_world_size()
+        self.job = self._establish_identity(checkpoint_config.adopt_job, base_folder)
+        node_folder = config.resolve_local_folder(checkpoint_config.local_folder)
         settings = TierSettings(
-            local_root=config.resolve_local_folder(checkpoint_config.local_folder),
+            local_root=job_dir(node_folder, self.job.job_id),
             pfs_folder=self.folder,
             local_interval=checkpoint_config.local_interval,
             pfs_interval=checkpoint_config.interval,
@@ -66,13 +71,14 @@ class TieredCheckpointManager(_StockManager):
             rank=rank,
             world_size=world,
             first_on_node=int(os.environ.get("LOCAL_RANK", "0")) == 0,
-            layout_tag=self._layout_tag(world),
+            job_id=self.job.job_id,
+            layout_tags=self._layout_tags(),
             pin=torch.cuda.is_available(),
             replication_backend=checkpoint_config.replication_backend,
         )
-        settings.node_ranks = self._node_ranks(base_folder, settings.local_root)
         events_path = os.path.join(base_folder, "titan_ckpt_plus", "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
+        settings.node_ranks = self._survey_nodes(base_folder, node_folder, settings)
         placement = self._placement(checkpoint_config, world)
         policy = self._interval_policy(checkpoint_config)
         self._optimizer_state = self._optimizer_state_cache()
@@ -90,7 +96,7 @@ class TieredCheckpointManager(_StockManager):
         self._sigterm_at: float | None = None
         if self._grace_s > 0 and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        logger.info(f"[titan_ckpt_plus] tiers on: local {settings.local_root} every "
+        logger.info(f"[titan_ckpt_plus] tiers on, job {self.job.job_id}: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
                     f"{settings.pfs_interval} steps")
 
@@ -140,18 +146,86 @@ class TieredCheckpointManager(_StockManager):
             if tier is not None:
                 self.tiered.policy.controller.observe_restart(seconds)
 
-    @staticmethod
-    def _node_ranks(base_folder: str, root: str) -> list[int]:
-        """The ranks that share this rank's node folder (recorded in COMMIT.json, so
-        tools can tell own parts from replicas), and every node's folder in one file on
-        the PFS, so `titan-ckpt ls` finds a run's local steps from its dump folder."""
+    def _establish_identity(self, adopt: str, base_folder: str) -> identity.JobIdentity:
+        """Collective: the job's identity, decided on rank 0 from the dump folder (see
+        identity.py). A PFS folder holding another job's steps is refused here, before
+        anything is written: loading them would be another job's state, and this
+        job's saves and retention would mix with them."""
+        box: list = [None]
+        if dist.get_rank() == 0:
+            est = identity.establish(base_folder, adopt)
+            refusal = self._foreign_pfs_steps(est.identity.job_id, base_folder)
+            try:
+                if not refusal:
+                    identity.commit(est)
+            except OSError as e:  # every rank must hear of it, or the others would hang
+                refusal = (f"cannot write the job identity {identity.job_file(base_folder)} ({e}). "
+                           "Fix: make [job] dump_folder writable")
+            box = [(est.identity, est.warnings, est.notes, refusal)]
+        dist.broadcast_object_list(box, src=0)
+        job, warnings, notes, refusal = box[0]
+        for w in warnings:
+            logger.warning(f"[titan_ckpt_plus] {w}")
+        for n in notes:
+            logger.info(f"[titan_ckpt_plus] {n}")
+        if refusal:
+            raise config.ConfigError(refusal)
+        return job
+
+    def _foreign_pfs_steps(self, job_id: str, base_folder: str) -> str:
+        """"" or the refusal: which steps of `self.folder` another job wrote, and the fixes."""
+        owners = PfsTier(self.folder, 0, 1, 0).owners()
+        other = {s: o for s, o in owners.items() if o not in (None, job_id)}
+        if not other:
+            return ""
+        jobs = sorted(set(other.values()))
+        return (f"[checkpoint] folder {self.folder} holds steps {sorted(other)} of job(s) {jobs}, "
+                f"not of this job ({job_id}, dump folder {os.path.realpath(base_folder)}): "
+                "they are never loaded, and this job will not write beside them. Fix: to continue "
+                f"that job here, set [checkpoint] adopt_job = '{jobs[0]}' (and do not restart the "
+                "job that wrote them); to start fresh, move that folder aside; to start from one of "
+                "its steps as a new job, move it out and set initial_load_path to it.")
+
+    def _layout_tags(self) -> list[dict]:
+        """Collective: every rank's layout tag, so a part held for another rank is
+        checked against what that rank expects, not against the holder's layout."""
+        tags: list = [None] * dist.get_world_size()
+        dist.all_gather_object(tags, self._layout_tag(dist.get_world_size()))
+        return tags
+
+    def _survey_nodes(self, base_folder: str, node_folder: str, s: TierSettings) -> list[int]:
+        """Collective, at start: the node's first rank claims the job's subfolder of the
+        node folder (lock, JOB.json) and lists the other jobs' steps there; rank 0 logs
+        those once per node and writes every node's job folder to local_roots.json, so
+        `titan-ckpt ls` finds a run's local steps from its dump folder. Returns the
+        ranks that share this rank's node folder (recorded in COMMIT.json, so tools can
+        tell own parts from replicas)."""
+        problem, others = "", []
+        if s.first_on_node:
+            self._job_lock, problem = claim_job_dir(s.local_root, dict(
+                self.job.to_json(), host=socket.gethostname(), pid=os.getpid(), started_at=time.time()))
+            others = [j for j in node_jobs(node_folder) if j.job_id != s.job_id]
         where: list = [None] * dist.get_world_size()
-        dist.all_gather_object(where, (socket.gethostname(), root))
+        dist.all_gather_object(where, (socket.gethostname(), s.local_root, problem,
+                                       [(j.describe(), j.job_id, j.record.get("dump_folder"),
+                                         len(j.steps), j.size) for j in others]))
+        if any(w[2] for w in where):
+            raise config.ConfigError("; ".join(w[2] for w in where if w[2]))
         if dist.get_rank() == 0:
             path = os.path.join(base_folder, "titan_ckpt_plus", "local_roots.json")
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_write_json(path, sorted({r for _, r in where}))
-        return [r for r, w in enumerate(where) if w == (socket.gethostname(), root)]
+            atomic_write_json(path, sorted({w[1] for w in where}))
+            for host, root, _, found in where:
+                if found:
+                    logger.warning(
+                        f"[titan_ckpt_plus] {host}:{os.path.dirname(root)} holds other jobs' local "
+                        f"steps, ignored (never loaded, never deleted by this job): "
+                        + "; ".join(f[0] for f in found))
+                    self.events.record("foreign_local_steps", host=host, folder=os.path.dirname(root),
+                                       jobs=[dict(zip(("job_id", "dump_folder", "steps", "bytes"), f[1:]))
+                                             for f in found])
+        me = (socket.gethostname(), s.local_root)
+        return [r for r, w in enumerate(where) if w[:2] == me]
 
     # ---- what is saved --------------------------------------------------------
 
@@ -297,6 +371,7 @@ class TieredCheckpointManager(_StockManager):
         self.tiered.resumed_at(rec.step)
         self._ledger_after_recovery(rec.tier, rec.step, seconds)
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
+                           job_id=self.job.job_id,
                            bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
                            skipped=[list(x) for x in rec.skipped])
         return True
@@ -315,6 +390,9 @@ class TieredCheckpointManager(_StockManager):
         if tiered is not None:
             tiered.close()
             self.events.flush()
+        lock, self._job_lock = getattr(self, "_job_lock", None), None
+        if lock is not None:
+            lock.release()
         super().close()
 
 

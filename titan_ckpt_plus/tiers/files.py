@@ -192,6 +192,14 @@ def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:
         return batch.write(path, data, on_chunk, before_chunk)
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
 def step_of(name: str) -> int | None:
     """`step-N` -> N; anything else -> None."""
     if name.startswith("step-") and name[5:].isdigit():

@@ -1,31 +1,214 @@
-"""The node-local tier: one folder per node, one part per rank per step.
+"""The node-local tier: one folder per node, shared by every job on the node; in it
+one subfolder per job, one part per rank per step.
 
-    <local_folder>/step-N/rank-00003.data    the rank's staged buffer, raw bytes
-                         rank-00003.layout  where each tensor lives in it (plain pickle)
-                         rank-00003.json    manifest: sizes and CRC-32C of both, step,
-                                            world size, layout fingerprint (written last)
-                         COMMIT.json        written by the node's first rank once every
-                                            rank of the job reported its part durable
+    <local_folder>/job-<id>/JOB.json    the job's identity and where its dump folder is
+                           .lock        held by the node's first rank while it runs
+                           step-N/rank-00003.data    the rank's staged buffer, raw bytes
+                                  rank-00003.layout  where each tensor lives in it (plain pickle)
+                                  rank-00003.json    manifest: sizes and CRC-32C of both, job id,
+                                                     step, world size, layout (written last)
+                                  COMMIT.json        written by the node's first rank once every
+                                                     rank of the job reported its part durable
 
-A step is a recovery candidate on this node only with COMMIT.json, and for a rank
-only if its own manifest matches the job (world size, layout) and its checksums pass.
-Each rank deletes only its own files, so no rank can delete a part another rank of the
-node is still reading.
+A job writes, commits, purges and recovers only in its own subfolder: jobs sharing a
+node never touch each other's files. A step is a recovery candidate on this node only
+with COMMIT.json, and a part only if its manifest names the job and matches what its
+source rank expects (world size, that rank's shard shapes); checksums are checked when
+the step is chosen. Each rank deletes only its own files, so no rank can delete a part
+another rank of the node is still reading. Steps directly under `<local_folder>` were
+written before job identities existed: no job loads them.
 """
 
+import fcntl
 import os
 import shutil
 import time
+from dataclasses import dataclass
 
 from titan_ckpt_plus.tiers import files
 
 COMMIT = "COMMIT.json"
+JOB_PREFIX = "job-"
+JOB_RECORD = "JOB.json"
+LOCK = ".lock"
+
+
+def part_matches(m: dict | None, rank: int, step: int, job_id: str, world_size: int,
+                 layout_tag: dict) -> bool:
+    """Whether a part's manifest is `rank`'s part of `step` of this job, in the
+    layout that rank has now."""
+    return (isinstance(m, dict) and m.get("job_id") == job_id and m.get("rank") == rank
+            and m.get("step") == step and m.get("world_size") == world_size
+            and m.get("layout_tag") == layout_tag)
+
+
+def job_dir(local_folder: str, job_id: str) -> str:
+    return os.path.join(local_folder, JOB_PREFIX + job_id)
+
+
+class JobLock:
+    """An exclusive lock on a job's subfolder, held by the node's first rank for the
+    life of the process (the kernel drops it when the process dies). Tools tell a job
+    that is still writing from leftovers by it, and a second process of one job on a
+    node (two incarnations at once, or two nodes given one folder) is refused."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, LOCK)
+        self._fd: int | None = None
+
+    def acquire(self) -> str:
+        """"" once held; else who holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            return who
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        self._fd = fd
+        return ""
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def claim_job_dir(folder: str, record: dict) -> tuple[JobLock | None, str]:
+    """The node's first rank, at start: make the job's subfolder, hold its lock and
+    write JOB.json (who the job is, where its dump folder is, for tools and the other
+    jobs' logs). Returns (the lock, "") or (None, why this process cannot use it)."""
+    os.makedirs(folder, exist_ok=True)
+    lock = JobLock(folder)
+    who = lock.acquire()
+    if who:
+        return None, (f"{folder} is in use by {who}, another process of this job: two "
+                      "incarnations of one job, or two nodes given one local folder, cannot "
+                      "share it. Fix: stop the other one, or put {node_rank} in "
+                      "[checkpoint] local_folder so every node has its own")
+    files.atomic_write_json(os.path.join(folder, JOB_RECORD), record)
+    return lock, ""
+
+
+def lock_holder(folder: str) -> str:
+    """Who holds `folder`'s job lock ("" if nobody): probed without blocking and
+    without creating anything."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY)
+    except OSError:
+        return ""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return ""
+    except BlockingIOError:
+        return os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class NodeJob:
+    """One job's steps in a node's local folder, as found there."""
+
+    job_id: str | None  # None: steps written before job identities (no subfolder)
+    path: str
+    record: dict  # its JOB.json ({} if missing or unusable)
+    problem: str  # why JOB.json could not be used ("" if it could)
+    steps: list[int]
+    size: int
+    newest: float  # mtime of the newest file, 0 if none
+    writing: str  # who holds its lock ("" if nobody)
+
+    def describe(self) -> str:
+        if self.job_id is None:
+            who = "steps without a job identity (written before them)"
+        else:
+            where = self.problem or f"dump folder {self.record['dump_folder']}"
+            who = f"job {self.job_id} ({where})"
+        n = len(self.steps)
+        return f"{who}: {n} step{'s' if n != 1 else ''}, {files.human_bytes(self.size)}"
+
+
+def _tree_size(path: str) -> tuple[int, float]:
+    size, newest = 0, 0.0
+    for base, _, names in os.walk(path):
+        for n in names:
+            try:
+                st = os.stat(os.path.join(base, n))
+            except OSError:
+                continue
+            size, newest = size + st.st_size, max(newest, st.st_mtime)
+    return size, newest
+
+
+def _steps_in(folder: str) -> list[int]:
+    try:
+        return sorted(s for s in map(files.step_of, os.listdir(folder)) if s is not None)
+    except OSError:
+        return []
+
+
+def _record(folder: str) -> tuple[dict, str]:
+    path = os.path.join(folder, JOB_RECORD)
+    try:
+        rec = files.read_json(path)
+    except FileNotFoundError:
+        return {}, f"{path}: missing"
+    except (OSError, ValueError) as e:
+        return {}, f"{path}: unreadable ({e})"
+    if not isinstance(rec, dict) or not isinstance(rec.get("dump_folder"), str):
+        return {}, f"{path}: not a job record"
+    return rec, ""
+
+
+def node_jobs(local_folder: str) -> list[NodeJob]:
+    """Every job's steps in a node folder, and the steps written before job
+    identities (job_id None), oldest job first."""
+    out = []
+    try:
+        names = sorted(os.listdir(local_folder))
+    except OSError:
+        return []
+    legacy = [n for n in names if files.step_of(n) is not None]
+    if legacy:
+        sizes = [_tree_size(os.path.join(local_folder, n)) for n in legacy]
+        out.append(NodeJob(None, local_folder, {}, "", sorted(map(files.step_of, legacy)),
+                           sum(s for s, _ in sizes), max(t for _, t in sizes), ""))
+    for n in names:
+        path = os.path.join(local_folder, n)
+        if not n.startswith(JOB_PREFIX) or not os.path.isdir(path):
+            continue
+        rec, problem = _record(path)
+        out.append(NodeJob(n[len(JOB_PREFIX):], path, rec, problem, _steps_in(path),
+                           *_tree_size(path), lock_holder(path)))
+    return out
+
+
+def others_note(local_folder: str, job_id: str) -> str:
+    """For a failed write's message: what other jobs keep on this node's disk."""
+    others = [j for j in node_jobs(local_folder) if j.job_id != job_id and j.steps]
+    try:
+        free = f"{files.human_bytes(shutil.disk_usage(local_folder).free)} free"
+    except OSError:
+        free = "free space unknown"
+    if not others:
+        return f"{local_folder}: {free}; no other job's steps there"
+    total = sum(j.size for j in others)
+    return (f"{local_folder}: {free}; other jobs' steps there take {files.human_bytes(total)} "
+            f"({'; '.join(j.describe() for j in others)}). This job never deletes them: "
+            f"see `titan-ckpt ls {local_folder}`, remove stale ones with "
+            f"`titan-ckpt clean {local_folder}` (--dry-run first)")
 
 
 class LocalTier:
+    """One job's steps on this node: `root` is the job's subfolder (job_dir)."""
+
     def __init__(self, root: str, rank: int, world_size: int, first_on_node: bool,
-                 keep_latest_k: int) -> None:
+                 keep_latest_k: int, job_id: str = "") -> None:
         self.root = root
+        self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self.first_on_node = first_on_node
@@ -34,6 +217,10 @@ class LocalTier:
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.root, f"step-{step}")
+
+    def disk_full_note(self) -> str:
+        """What other jobs keep on this node's disk (the root is under the node folder)."""
+        return others_note(os.path.dirname(self.root), self.job_id)
 
     def _part(self, step: int, suffix: str, rank: int | None = None) -> str:
         r = self.rank if rank is None else rank
@@ -49,8 +236,8 @@ class LocalTier:
         with files.DurableBatch() as batch:
             data_entry = batch.write(self._part(step, "data"), data, on_chunk, before_chunk)
             layout_bytes, meta = describe()
-            manifest = dict(meta, step=step, rank=self.rank, world_size=self.world_size,
-                            written_at=time.time())
+            manifest = dict(meta, job_id=self.job_id, step=step, rank=self.rank,
+                            world_size=self.world_size, written_at=time.time())
             manifest["files"] = {"data": data_entry,
                                  "layout": batch.write(self._part(step, "layout"), layout_bytes)}
             raw = files.json_bytes(manifest)
@@ -81,7 +268,7 @@ class LocalTier:
         are in the same folder and came first); the root's, the step folder's name."""
         if self.first_on_node:
             files.atomic_write_json(os.path.join(self.step_dir(step), COMMIT),
-                                    dict(info, step=step, committed_at=time.time()))
+                                    dict(info, job_id=self.job_id, step=step, committed_at=time.time()))
             files.fsync_dir(self.root)
 
     def wait_for_commit(self, step: int, timeout_s: float = 2.0) -> None:
@@ -109,21 +296,33 @@ class LocalTier:
         except (OSError, ValueError):
             return None
 
-    def held_parts(self, layout_tag: dict) -> dict[int, list[int]]:
-        """Committed step -> ranks whose parts (own node's or replicas) this node
-        folder holds with a manifest matching the job's world size and parallel
-        layout. Checksums are checked later, when a step is chosen."""
+    def held_parts(self, layout_tags: list[dict]) -> dict[int, list[int]]:
+        """Committed step -> ranks whose parts (own node's or replicas) this folder
+        holds with a manifest of this job that matches what that rank expects: the
+        world size and the *source* rank's layout (`layout_tags[r]`; uneven shards
+        differ between ranks). Checksums are checked later, when a step is chosen."""
         out = {}
         for s in self.committed_steps():
+            commit = self._commit_record(s)
+            if commit.get("job_id") != self.job_id:
+                continue
             ranks = []
             for name in os.listdir(self.step_dir(s)):
                 if name.startswith("rank-") and name.endswith(".json") and name[5:-5].isdigit():
-                    m = self.manifest(s, int(name[5:-5]))
-                    if m and m.get("world_size") == self.world_size and m.get("layout_tag") == layout_tag:
-                        ranks.append(int(name[5:-5]))
+                    r = int(name[5:-5])
+                    if r < len(layout_tags) and part_matches(self.manifest(s, r), r, s, self.job_id,
+                                                              len(layout_tags), layout_tags[r]):
+                        ranks.append(r)
             if ranks:
                 out[s] = sorted(ranks)
         return out
+
+    def _commit_record(self, step: int) -> dict:
+        try:
+            rec = files.read_json(os.path.join(self.step_dir(step), COMMIT))
+        except (OSError, ValueError):
+            return {}
+        return rec if isinstance(rec, dict) else {}
 
     def read_raw(self, step: int, rank: int | None = None):
         """The part's three files as stored (manifest, layout, data), unverified."""

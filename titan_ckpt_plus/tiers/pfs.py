@@ -1,11 +1,14 @@
 """The persistent tier: torchtitan's own DCP layout on the parallel file system.
 
     <dump_folder>/<folder>/step-N/.metadata, __R_I.distcp   written by dcp.save
-                               titan_ckpt_plus.json          size and CRC-32C per file
+                               titan_ckpt_plus.json          the job's id, size and
+                                                             CRC-32C per file
 
 Stock torchtitan loads these steps as they are (it ignores the extra manifest) and
 DCP reshards them to another parallel layout. A step without `.metadata` is torn and
-never used; one without our manifest (written by stock torchtitan) is used unverified.
+never used; one without our manifest (written by stock torchtitan) is used unverified,
+as is one whose manifest has no job id (written before job identities); one whose
+manifest names another job is never used (`owners()`).
 """
 
 import os
@@ -63,8 +66,10 @@ def agree(why: str, pg) -> str:
 
 
 class PfsTier:
-    def __init__(self, folder: str, rank: int, world_size: int, keep_latest_k: int) -> None:
+    def __init__(self, folder: str, rank: int, world_size: int, keep_latest_k: int,
+                 job_id: str = "") -> None:
         self.folder = folder
+        self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
@@ -103,7 +108,8 @@ class PfsTier:
             allfiles = {k: v for part in gathered for k, v in part.items()}
             size, crc = files.checksum_file(os.path.join(path, ".metadata"))
             allfiles[".metadata"] = {"size": size, files.SUM: crc}
-            files.atomic_write_json(os.path.join(path, MANIFEST), {"step": step, "files": allfiles})
+            files.atomic_write_json(os.path.join(path, MANIFEST),
+                                    {"step": step, "job_id": self.job_id, "files": allfiles})
         return sum(v["size"] for v in mine.values())
 
     def verify(self, step: int, pg) -> tuple[bool, str]:
@@ -112,15 +118,31 @@ class PfsTier:
         reason = ""
         try:
             manifest = files.read_json(os.path.join(path, MANIFEST))
+            if manifest.get("job_id") not in (None, self.job_id):
+                raise files.CorruptCheckpoint(f"{path} belongs to job {manifest['job_id']}")
             names = sorted(manifest["files"])
             for name in names[self.rank :: self.world_size]:
                 files.check_file(os.path.join(path, name), manifest["files"][name])
         except FileNotFoundError:
             manifest = None  # written by stock torchtitan: nothing to verify against
-        except (files.CorruptCheckpoint, OSError, ValueError, KeyError) as e:
+        except (files.CorruptCheckpoint, OSError, ValueError, KeyError, AttributeError, TypeError) as e:
             reason = str(e)
         reason = agree(reason, pg)
         return not reason, reason
+
+    def owners(self) -> dict[int, str | None]:
+        """Complete step -> the job id its manifest records (None: stock torchtitan's
+        step, or written before job identities; "?" if the manifest is unreadable,
+        which verify() will reject)."""
+        out = {}
+        for s in self.steps():
+            try:
+                out[s] = files.read_json(os.path.join(self.step_dir(s), MANIFEST)).get("job_id")
+            except FileNotFoundError:
+                out[s] = None
+            except (OSError, ValueError, AttributeError):
+                out[s] = "?"
+        return out
 
     def load(self, step: int, state: dict) -> int:
         """dcp.load into `state` in place (resharding as needed); returns bytes read."""

@@ -1,0 +1,133 @@
+"""Job identity (identity.py) and a job's claim on its node subfolder (no torch)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import ROOT, run_without_torch
+from titan_ckpt_plus import config, identity
+from titan_ckpt_plus.tiers.local import JOB_RECORD, claim_job_dir, job_dir, lock_holder, others_note
+
+
+def _first_start(dump) -> identity.JobIdentity:
+    est = identity.establish(str(dump))
+    identity.commit(est)
+    return est.identity
+
+
+def test_first_start_makes_an_identity_and_later_starts_keep_it(tmp_path):
+    dump = tmp_path / "dump"
+    est = identity.establish(str(dump), now=1.8e9)
+    assert est.write and not est.warnings and identity.valid_job_id(est.identity.job_id)
+    assert est.identity.job_id.startswith("20270115-")  # sortable by creation time
+    identity.commit(est)
+    raw = json.loads((dump / "titan_ckpt_plus" / "job.json").read_text())
+    assert raw == {"format": 1, "job_id": est.identity.job_id, "dump_folder": os.path.realpath(dump),
+                   "created_at": 1.8e9, "adopted_from": ""}
+    again = identity.establish(str(dump))
+    assert again.identity == est.identity and not again.write and not again.warnings
+    assert identity.establish(str(tmp_path / "other")).identity.job_id != est.identity.job_id
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"{not json", "not JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (b'{"format": 2, "job_id": "a", "dump_folder": "/x", "created_at": 0}', "newer than this plugin's"),
+    (b'{"format": 1, "job_id": "../up", "dump_folder": "/x", "created_at": 0}', "invalid job_id"),
+    (b'{"job_id": "a", "dump_folder": "/x", "created_at": 0}', "no valid format"),
+    (b"\xff\xfe", "not JSON"),
+])
+def test_an_unusable_identity_file_is_ignored_with_one_warning_naming_it(tmp_path, content, reason):
+    dump = tmp_path / "dump"
+    path = dump / "titan_ckpt_plus" / "job.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    est = identity.establish(str(dump))
+    assert len(est.warnings) == 1 and str(path) in est.warnings[0] and reason in est.warnings[0]
+    assert est.write and est.set_aside == str(path)
+    assert path.read_bytes() == content  # nothing changes before commit (a refused start)
+    identity.commit(est)
+    assert identity.read(str(path)) == est.identity
+    (aside,) = path.parent.glob("job.json.ignored-*")
+    assert aside.read_bytes() == content  # kept for the user, never overwritten
+
+
+def test_an_identity_copied_from_another_dump_folder_or_left_by_a_move_is_not_this_jobs(tmp_path):
+    original = _first_start(tmp_path / "a")
+    copy = tmp_path / "b"
+    (copy / "titan_ckpt_plus").mkdir(parents=True)
+    (copy / "titan_ckpt_plus" / "job.json").write_bytes((tmp_path / "a" / "titan_ckpt_plus" / "job.json").read_bytes())
+    est = identity.establish(str(copy))
+    assert est.identity.job_id != original.job_id
+    assert f"job {original.job_id}'s" in est.warnings[0] and "another job's dump folder" in est.warnings[0]
+    (tmp_path / "a").rename(tmp_path / "moved")
+    est = identity.establish(str(tmp_path / "moved"))
+    assert est.identity.job_id != original.job_id and "no longer exists" in est.warnings[0]
+    assert "adopt_job" in est.warnings[0]
+
+
+def test_adopt_job_takes_an_identity_on_purpose_and_is_idempotent(tmp_path):
+    mine = _first_start(tmp_path / "dump")
+    est = identity.establish(str(tmp_path / "dump"), adopt="20260101-000000-abcdef01")
+    assert est.identity.job_id == "20260101-000000-abcdef01" and est.identity.adopted_from == mine.job_id
+    assert "takes job 20260101-000000-abcdef01's identity" in est.notes[0]
+    identity.commit(est)
+    again = identity.establish(str(tmp_path / "dump"), adopt="20260101-000000-abcdef01")
+    assert not again.write and "already this job's identity" in again.notes[0]
+
+
+def test_adopt_job_must_be_a_job_id(tmp_path):
+    ckpt = config.Checkpoint(tier_local=True, local_folder=str(tmp_path / "l"), adopt_job="../../etc")
+    ckpt.enable, ckpt.interval, ckpt.keep_latest_k, ckpt.folder = True, 10, 3, "checkpoint"
+    with pytest.raises(config.ConfigError, match=r"adopt_job = '../../etc' is not a job id"):
+        config.validate(ckpt, str(tmp_path / "dump"))
+
+
+def test_a_second_process_of_one_job_on_a_node_is_refused_while_the_first_holds_it(tmp_path):
+    folder = job_dir(str(tmp_path), "20260101-000000-abcdef01")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom titan_ckpt_plus.tiers.local import claim_job_dir\n"
+         f"lock, why = claim_job_dir({folder!r}, {{'job_id': 'x', 'dump_folder': '/d'}})\n"
+         "assert not why, why\nprint('held', flush=True)\ntime.sleep(60)"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock_holder(folder).startswith(f"pid {holder.pid} on ")
+        lock, why = claim_job_dir(folder, {"job_id": "x", "dump_folder": "/d"})
+        assert lock is None and f"pid {holder.pid}" in why and "{node_rank}" in why
+    finally:
+        holder.kill()
+        holder.wait()
+    deadline = time.monotonic() + 5
+    while lock_holder(folder) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lock, why = claim_job_dir(folder, {"job_id": "x", "dump_folder": "/d"})  # a killed holder frees it
+    assert lock is not None and not why
+    assert json.loads(open(os.path.join(folder, JOB_RECORD)).read())["dump_folder"] == "/d"
+    lock.release()
+
+
+def test_identity_imports_no_torch():
+    run_without_torch("import titan_ckpt_plus.identity, titan_ckpt_plus.tiers.local")
+
+
+def test_a_full_disk_message_names_other_jobs_leftovers(tmp_path):
+    node = tmp_path / "node"
+    mine, other = node / "job-mine", node / "job-20260101-000000-0ther0b0"
+    for d, n in ((mine / "step-4", 10), (other / "step-8", 3 << 20), (node / "step-2", 1 << 20)):
+        d.mkdir(parents=True)
+        (d / "rank-00000.data").write_bytes(b"\0" * n)
+    (other / JOB_RECORD).write_text('{"job_id": "x", "dump_folder": "/pfs/old-run"}')
+    note = others_note(str(node), "mine")
+    assert "other jobs' steps there take 4.0 MiB" in note
+    assert "job 20260101-000000-0ther0b0 (dump folder /pfs/old-run): 1 step, 3.0 MiB" in note
+    assert "steps without a job identity (written before them): 1 step, 1.0 MiB" in note
+    assert f"titan-ckpt clean {node}" in note and "never deletes them" in note
+    shutil.rmtree(other)
+    shutil.rmtree(node / "step-2")
+    assert "no other job's steps there" in others_note(str(node), "mine")
