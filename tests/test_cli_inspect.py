@@ -56,7 +56,7 @@ def _ls_rows(lines) -> dict[tuple[str, int], dict]:
 def test_ls_lists_committed_local_and_pfs_steps(run, capsys):
     rc, lines = _cli(capsys, "ls", run / "dump")
     assert rc == 0
-    assert f"# local root {run / 'local' / '0'} (from local_roots.json)" in lines
+    assert f"# local root {job_dir(run)} (from local_roots.json)" in lines
     rows = _ls_rows(lines)
     # local_keep_latest_k = 3. A non-first rank may still hold its part of an older,
     # uncommitted step (its retention ran before the node's COMMIT of the last step).

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from titan_ckpt_plus import faults, recovery, staging
+from titan_ckpt_plus import device_copy, faults, recovery, staging
 from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule
 from titan_ckpt_plus.replication import Part, Wire, check_part
@@ -99,7 +99,8 @@ class Recovery:
 class TieredCheckpointer:
     def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog,
                  placement: ReplicaPlacement | None = None,
-                 policy: IntervalPolicy | None = None) -> None:
+                 policy: IntervalPolicy | None = None,
+                 device: device_copy.Device | None = None) -> None:
         self.s = s
         self.capture = capture
         self.events = events
@@ -110,9 +111,11 @@ class TieredCheckpointer:
         # Per-save figures once per job, not once per rank; warnings stay on every rank.
         self._info = log.info if s.rank == 0 else (lambda *_: None)
         self.buffer = staging.HostBuffer(pin=s.pin)
+        # Made here, on the training thread: its current device is the rank's.
+        self.device = device or (device_copy.CudaDevice() if s.pin else device_copy.Device())
         self._buffer_free = threading.Event()
         self._buffer_free.set()
-        self._copy_thread: threading.Thread | None = None
+        self._pending_copy: device_copy.Copy | None = None
         self._pending = False
         self._pending_delta = 0.0
         self._pending_wait = 0.0
@@ -141,10 +144,8 @@ class TieredCheckpointer:
                              device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
         self._write_q: queue.Queue = queue.Queue()
         self._drain_q: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._writer_loop, name="ckpt-local-writer", daemon=True)
-        self._drainer = threading.Thread(target=self._drain_loop, name="ckpt-pfs-drainer", daemon=True)
-        self._writer.start()
-        self._drainer.start()
+        self._writer = self.device.start_thread(self._writer_loop, "ckpt-local-writer")
+        self._drainer = self.device.start_thread(self._drain_loop, "ckpt-pfs-drainer")
 
     # ---- training-thread side -------------------------------------------------
 
@@ -176,11 +177,13 @@ class TieredCheckpointer:
         self._write_q.put(job)  # before the copy starts: the writer wakes meanwhile
         if tensors is None:
             job.staged.set()  # the failed job still goes to the writer: it must vote
-        elif last_step:
-            self._copy(job, tensors)  # flushed right below: nothing to overlap
         else:
-            self._copy_thread = threading.Thread(target=self._copy, args=(job, tensors), daemon=True)
-            self._copy_thread.start()
+            # After capture: the copy waits for every kernel queued so far, the update too.
+            self._pending_copy = copy = self.device.save_point()
+            if last_step:
+                self._copy(job, tensors, copy)  # flushed right below: nothing to overlap
+            else:
+                self.device.start_thread(self._copy, "ckpt-staging-copy", job, tensors, copy)
         self._pending = True
         self._pending_delta = time.monotonic() - t0
         self._pending_wait = waited
@@ -189,10 +192,10 @@ class TieredCheckpointer:
             self.wait_for_staging()
             self.flush()
 
-    def _copy(self, job: _Job, tensors) -> None:
+    def _copy(self, job: _Job, tensors, copy: device_copy.Copy) -> None:
         faults.maybe_kill("kill_during_staging", job.step)
         try:
-            self.buffer.copy_in(job.layout, tensors, job.progress)
+            self.buffer.copy_in(job.layout, tensors, job.progress, copy)
             # The writer needs these only after the data: made here, they overlap the disk.
             job.layout_bytes, job.fingerprint = job.layout.to_bytes(), job.layout.fingerprint()
             job.ok = True
@@ -200,19 +203,20 @@ class TieredCheckpointer:
             job.progress.fail()
             self._failed("local", job.step, f"staging copy: {e!r}")
         finally:
+            copy.issued.set()  # a copy that failed before it began must not hang the wait
             job.staging_s = time.monotonic() - job.started
             job.staged.set()
 
     def wait_for_staging(self) -> None:
         """Called before optimizer.step(): the staged copy must be complete before the
-        parameters change."""
+        parameters change (on a GPU: the update's kernels wait for the copy's event)."""
         if not self._pending:
             return
         self._pending = False
         t0 = time.monotonic()
-        if self._copy_thread is not None:
-            self._copy_thread.join()
-            self._copy_thread = None
+        if self._pending_copy is not None:
+            self._pending_copy.wait()
+            self._pending_copy = None
         delta = self._pending_delta + time.monotonic() - t0
         self._pending_delta = 0.0
         self.events.record("stage", step=self._pending_step, tier="local", delta_s=delta,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from titan_ckpt_plus.device_copy import Copy
 from titan_ckpt_plus.tiers.files import FIRST_CHUNK, PAGE
 
 ALIGN = 64
@@ -170,25 +171,18 @@ class HostBuffer:
         return self.data
 
     def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],
-                progress: StagingProgress | None = None) -> None:
+                progress: StagingProgress | None = None, copy: Copy | None = None) -> None:
         """The blocking copy, in groups of about COPY_GROUP bytes, one foreach call
         each: the copy thread then takes the GIL back once per group, not once per
         tensor, so a training thread busy in Python does not slow it down tensor by
-        tensor. On GPUs the copies are queued and synchronized once (progress is
-        reported at the end); on CPU progress is reported per group."""
-        buf = self.ensure(layout.total_bytes)
-        views = self._views(buf, layout)
-        start = 0
+        tensor. `copy` runs them (device_copy.py: synchronously on CPU, on the rank's
+        copy stream on GPUs) and reports progress per group once its bytes are here."""
+        views = self._views(self.ensure(layout.total_bytes), layout)
+        groups, start = [], 0
         for end, upto in _groups(layout, COPY_GROUP):
-            if end > start:
-                torch._foreach_copy_(views[start:end], tensors[start:end], non_blocking=self.pin)
-            if progress is not None and not self.pin:
-                progress.advance(upto)
+            groups.append((views[start:end], tensors[start:end], upto))
             start = end
-        if self.pin and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        if progress is not None:
-            progress.advance(layout.total_bytes)
+        (copy or Copy()).run(groups, progress)
 
     def _views(self, buf: torch.Tensor, layout: StateLayout) -> list[torch.Tensor]:
         """The buffer's view for every entry, made once per buffer and layout (every
