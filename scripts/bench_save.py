@@ -39,9 +39,10 @@ SECTION = "## Save: local tier vs stock torchtitan"
 RANKS_PER_NODE = 2  # both ranks write to this machine's one disk
 
 
-def machine_limits(nbytes: int, folder: Path, reps: int = 7, gap_s: float = 1.0) -> dict:
+def machine_limits(nbytes: int, folder: Path, reps: int = 7, gap_s: float = 1.0,
+                   ranks: int = RANKS_PER_NODE) -> dict:
     """memcpy of one rank's `nbytes` into a reused buffer, and fsync'd write
-    bandwidth of the node's bytes (every rank's) as one stream to a new file. The
+    bandwidth of the node's bytes (`ranks` ranks') as one stream to a new file. The
     writes are `gap_s` apart, as the saves are: this disk's speed changes within
     seconds, and one burst of writes samples a single moment of it."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(7)
@@ -54,7 +55,7 @@ def machine_limits(nbytes: int, folder: Path, reps: int = 7, gap_s: float = 1.0)
         copies.append(time.perf_counter() - t0)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "bw.bin"
-    node_bytes = RANKS_PER_NODE * nbytes // files.PAGE * files.PAGE
+    node_bytes = ranks * nbytes // files.PAGE * files.PAGE
     aligned = HostBuffer(pin=False).ensure(node_bytes)
     aligned.fill_(7)
     data, seconds = memoryview(aligned.numpy())[:node_bytes], {"buffered": [], "direct": []}

@@ -10,17 +10,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "tests" / "configs" / "tiny_tiered.toml"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+LAUNCH = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
 def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nnodes: int = 1,
              node_rank: int = 0, port: int = 0, timeout: int = 300, loss_log: str = "losses.jsonl",
              config: Path = CONFIG, env: dict | None = None,
-             local: Path | None = None) -> subprocess.CompletedProcess:
-    """One torchrun invocation of the test job with its dump and local folders under
-    `workdir` (the local folders under `local` instead, if given: jobs sharing a node's
-    disk); returns the finished process (stdout and stderr together)."""
+             local: Path | None = None, module: str = "torchtitan.train") -> subprocess.CompletedProcess:
+    """One torchrun invocation of the test job (`module`: the trainer) with its dump and
+    local folders under `workdir` (the local folders under `local` instead, if given: jobs
+    sharing a node's disk); returns the finished process (stdout and stderr together)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=str(ROOT),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=path,
                TITAN_CKPT_LOSS_LOG=str(workdir / loss_log), TITAN_CKPT_FAULT=fault,
                WANDB_MODE="offline", **(env or {}))
     if nnodes == 1:
@@ -28,7 +30,7 @@ def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nn
     else:
         launch = ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv_backend", "c10d",
                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "titan-ckpt-test"]
-    cmd = [str(TORCHRUN), *launch, "--nproc_per_node", str(nproc), "-m", "torchtitan.train",
+    cmd = [*LAUNCH, *launch, "--nproc_per_node", str(nproc), "-m", module,
            "--job.config_file", str(config), "--job.dump_folder", str(workdir / "dump"),
            "--checkpoint.local_folder", str((local or workdir / "local") / "{node_rank}"), *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,

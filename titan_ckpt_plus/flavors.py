@@ -3,7 +3,7 @@
 ``torchtitan.models.llama3.get_train_spec()`` builds a new TrainSpec on every call but passes the
 module-level dict ``llama3_args`` itself as ``model_args``, so adding keys to that dict is seen by
 ``get_train_spec("llama3")`` (and by any spec later derived from it with ``dataclasses.replace``).
-Use them with ``--model.flavor tiny`` / ``--model.flavor 100M``.
+Use them with ``--model.flavor tiny`` / ``100M`` / ``1B``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,16 @@ def _flavors() -> dict:
         "100M": TransformerModelArgs(
             dim=768, n_layers=14, n_heads=12, vocab_size=2048, rope_theta=500000
         ),
+        # ~0.98B parameters: Llama 3.2 1B's shape with the demo vocabulary (fp32 model
+        # ~3.9 GB, with AdamW state ~11.8 GB per checkpoint): the GPU check.
+        "1B": TransformerModelArgs(
+            dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5,
+            multiple_of=256, vocab_size=2048, rope_theta=500000
+        ),
     }
 
 
-FLAVORS = ("tiny", "100M")
+FLAVORS = ("tiny", "100M", "1B")
 
 
 def register() -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -323,10 +324,11 @@ class TieredCheckpointManager(_StockManager):
             return
         if not self._wandb_declared:
             self._wandb_declared = True
+            # torchtitan's wandb logger has imported it if enabled; importing it here
+            # would cost the training loop about 0.25 s.
+            wandb = sys.modules.get("wandb")
             try:
-                import wandb
-
-                if wandb.run is not None:
+                if wandb is not None and wandb.run is not None:
                     wandb.define_metric("ckpt/*", step_metric=None)
             except Exception:
                 pass

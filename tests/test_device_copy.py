@@ -1,0 +1,408 @@
+"""The staging copy's stream and event handling, without a GPU.
+
+FakeCuda stands in for torch.cuda: a GPU that runs nothing on its own. Work queued
+on a stream (the staging copies too: torch._foreach_copy_ is deferred to the stream
+current for the tensors' device) runs only when a host wait reaches it after the test
+let the GPU run, or when the test runs a stream itself. Every call is logged with its
+thread and that thread's current device, so the tests see who called what, where, and
+whether a group was reported staged before its copy ran.
+"""
+
+import queue
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_ckpt_plus import device_copy, staging
+from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+from titan_ckpt_plus.device_copy import CudaCopy, CudaDevice
+from titan_ckpt_plus.telemetry import EventLog
+
+RANK_DEVICE = 3  # a rank other than the node's first: a new thread starts on device 0
+
+
+class FakeStream:
+    def __init__(self, gpu, device: int, name: str) -> None:
+        self.gpu, self.device, self.name = gpu, device, name
+        self.queue: list = []  # ("work", fn) | ("wait", event) | ("mark", event), not yet run
+        self.history: list = []  # everything ever queued, in order
+
+    def put(self, item) -> None:
+        self.queue.append(item)
+        self.history.append(item)
+
+    def wait_event(self, event) -> None:
+        self.gpu.call("wait_event", self, event)
+        self.put(("wait", event))
+
+    def __repr__(self) -> str:
+        return f"<{self.name} stream on {self.device}>"
+
+
+class FakeEvent:
+    def __init__(self, gpu) -> None:
+        self.gpu, self.stream, self.complete = gpu, None, True  # never recorded: nothing to wait for
+
+    def record(self, stream=None) -> None:
+        stream = stream or self.gpu.current_stream()
+        self.gpu.call("record", self, stream)
+        self.stream, self.complete = stream, False
+        stream.put(("mark", self))
+
+    def synchronize(self) -> None:
+        self.gpu.call("event_synchronize", self)
+        self.gpu.running.wait()
+        self.gpu.run_until(self)
+
+
+class FakeCuda:
+    def __init__(self, running: bool = True, tensor_device: int = RANK_DEVICE) -> None:
+        self.log: list = []  # (thread name, its current device, call, args)
+        self.running = threading.Event()  # host waits return only once the GPU may run
+        if running:
+            self.running.set()
+        self.tensor_device = tensor_device  # where the state's tensors live
+        self._tls = threading.local()
+        self._lock = threading.RLock()
+        self._defaults: dict = {}
+
+    def call(self, what: str, *args) -> None:
+        with self._lock:
+            self.log.append((threading.current_thread().name, self.current_device(), what, args))
+
+    def calls(self, thread: str) -> list:
+        return [c for c in self.log if c[0] == thread]
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    def set_device(self, device: int) -> None:
+        self.call("set_device", device)
+        self._tls.device = device
+
+    def _streams(self) -> dict:
+        if not hasattr(self._tls, "streams"):
+            self._tls.streams = {}
+        return self._tls.streams
+
+    def current_stream(self, device: int | None = None) -> FakeStream:
+        device = self.current_device() if device is None else device
+        self.call("current_stream", device)
+        default = self._defaults.setdefault(device, FakeStream(self, device, "default"))
+        return self._streams().get(device) or default
+
+    def Stream(self, device: int | None = None) -> FakeStream:  # noqa: N802 (torch.cuda's name)
+        self.call("Stream", device)
+        return FakeStream(self, self.current_device() if device is None else device, "side")
+
+    def Event(self, enable_timing: bool = False, blocking: bool = False) -> FakeEvent:  # noqa: N802
+        self.call("Event")
+        return FakeEvent(self)
+
+    @contextmanager
+    def stream(self, s: FakeStream):
+        self.call("stream", s)
+        streams = self._streams()
+        before = streams.get(s.device)
+        streams[s.device] = s
+        try:
+            yield
+        finally:
+            streams[s.device] = before
+
+    def synchronize(self, device: int | None = None) -> None:
+        self.call("synchronize", device)
+        self.running.wait()
+        device = self.current_device() if device is None else device
+        for s in [*self._defaults.values()]:
+            if s.device == device:
+                self.run(s)
+
+    # ---- the GPU ----
+
+    def launch(self, stream: FakeStream, fn) -> None:
+        stream.put(("work", fn))
+
+    def deferred_copy(self, real):
+        """torch._foreach_copy_ as on a GPU: queued on the current stream of the
+        sources' device (the device guard), run when the GPU reaches it."""
+        def copy(dst, src, non_blocking=False):
+            stream = self.current_stream(self.tensor_device)
+            self.call("copy", stream)
+            dst, src = list(dst), list(src)
+            self.launch(stream, lambda: real(dst, src))
+        return copy
+
+    def run(self, stream: FakeStream, upto: FakeEvent | None = None) -> None:
+        with self._lock:
+            while stream.queue:
+                kind, x = stream.queue.pop(0)
+                if kind == "work":
+                    x()
+                elif kind == "wait":
+                    self.run_until(x)
+                else:
+                    x.complete = True
+                    if x is upto:
+                        return
+
+    def run_until(self, event: FakeEvent) -> None:
+        if not event.complete:
+            self.run(event.stream, event)
+
+
+class CheckedProgress(staging.StagingProgress):
+    """Records, at each report, whether the reported bytes are really in the buffer."""
+
+    def __init__(self, buf: staging.HostBuffer, want: torch.Tensor) -> None:
+        super().__init__()
+        self.buf, self.want, self.early = buf, want, []
+
+    def advance(self, upto: int) -> None:
+        if not torch.equal(self.buf.data[:upto], self.want[:upto]):
+            self.early.append(upto)
+        super().advance(upto)
+
+
+def _state():
+    g = torch.Generator().manual_seed(3)
+    return {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate((900_000, 1_500_000, 2_200_000, 300))}
+
+
+def _stage_on_fake_gpu(monkeypatch, device_cls=CudaDevice) -> None:
+    """A save on local rank 3: step N's update is still queued when save() runs;
+    step N+1's update is queued once the wait before it returned. The staged bytes
+    must be those after update N, and every check below must hold."""
+    gpu = FakeCuda(running=False)
+    monkeypatch.setattr(torch, "_foreach_copy_", gpu.deferred_copy(torch._foreach_copy_))
+    gpu.set_device(RANK_DEVICE)  # the training thread, as torchtitan sets it
+    layout, tensors, _ = staging.plan_layout(_state())
+    device = device_cls(gpu)
+    compute = gpu.current_stream()
+    gpu.launch(compute, lambda: [t.add_(1) for t in tensors])  # step N's update, in flight
+    buf = staging.HostBuffer(pin=False)
+    buf.ensure(layout.total_bytes).fill_(255)  # an earlier save's bytes
+    want = buf.data.clone()
+    for e, t in zip(layout.entries, tensors):
+        staging.tensor_view(want, e).copy_(t + 1)
+    progress = CheckedProgress(buf, want)
+
+    copy = device.save_point()
+    thread = device.start_thread(buf.copy_in, "ckpt-staging-copy", layout, tensors, progress, copy)
+    let_gpu_run = threading.Timer(2.0, gpu.running.set)  # else a wrong wait would hang the test
+    let_gpu_run.start()
+    try:
+        before = len(gpu.calls("MainThread"))
+        copy.wait()
+        waited = [c[2:] for c in gpu.calls("MainThread")[before:]]
+        assert not gpu.running.is_set(), "the wait before the update blocked the host until the GPU ran"
+        assert progress.done == 0, "a group was reported staged before its copy ran"
+        gpu.launch(compute, lambda: [t.add_(1) for t in tensors])  # step N+1's update
+        gpu.run(compute)  # the training stream runs first: only its wait orders the copy before
+    finally:
+        let_gpu_run.cancel()
+        gpu.running.set()  # lets a blocked copy thread finish, whatever failed
+    thread.join(10)
+
+    mine = gpu.calls("ckpt-staging-copy")
+    assert mine[0][2:] == ("set_device", (RANK_DEVICE,)), f"copy thread began with {mine[0]}"
+    assert all(c[1] == RANK_DEVICE for c in mine[1:]), "copy thread called on another device"
+    streams = {c[3][0] for c in gpu.log if c[2] == "copy"}
+    assert streams == {device.stream} and device.stream is not compute, f"copies ran on {streams}"
+    assert device.stream.history[0] == ("wait", copy.point) and copy.point.stream is compute
+    assert not [c for c in gpu.log if c[2] == "synchronize"], "a device-wide synchronize"
+    assert waited == [("current_stream", (RANK_DEVICE,)), ("wait_event", (compute, copy.done))]
+    assert copy.done.stream is device.stream and device.stream.history[-1] == ("mark", copy.done)
+    assert not progress.early, f"reported staged before the bytes were copied: {progress.early}"
+    assert progress.done == layout.total_bytes
+    assert torch.equal(buf.data[: layout.total_bytes], want), "not the bytes after update N"
+
+
+def test_a_save_on_local_rank_3_copies_on_its_stream_between_the_two_updates(monkeypatch):
+    _stage_on_fake_gpu(monkeypatch)
+
+
+# ---- the checks above catch today's copy and each way of getting it wrong ----
+
+class TodaysCopy(CudaCopy):
+    """HostBuffer.copy_in before this module: copies on the thread's current stream,
+    then torch.cuda.synchronize(), then everything reported staged."""
+
+    def run(self, groups, progress=None):
+        try:
+            for dst, src, _ in groups:
+                torch._foreach_copy_(dst, src, non_blocking=True)
+            self.cuda.synchronize()
+            progress.advance(groups[-1][2])
+        finally:
+            self.issued.set()
+
+    def wait(self):
+        self.issued.wait()  # the copy thread's join
+
+
+class TodaysDevice(CudaDevice):
+    def save_point(self):
+        return TodaysCopy(self.cuda, self.index, self.stream, None)
+
+    def _on_device(self, target, *args):  # no set_device
+        target(*args)
+
+
+class ReportsEarly(CudaCopy):
+    def run(self, groups, progress=None):
+        for _, _, upto in groups:
+            progress.advance(upto)
+        super().run(groups, progress)
+
+
+class ReportsEarlyDevice(CudaDevice):
+    def save_point(self):
+        plain = super().save_point()
+        return ReportsEarly(self.cuda, self.index, self.stream, plain.point)
+
+
+class NoDeviceSelect(CudaDevice):
+    def _on_device(self, target, *args):
+        target(*args)
+
+
+@pytest.mark.parametrize("device_cls", [TodaysDevice, ReportsEarlyDevice, NoDeviceSelect])
+def test_the_checks_reject_todays_copy_and_each_broken_variant(monkeypatch, device_cls):
+    with pytest.raises(AssertionError):
+        _stage_on_fake_gpu(monkeypatch, device_cls)
+
+
+# ---- the real engine, one rank, no torchrun ----
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _engine(tmp_path, state, device):
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
+                     local_interval=2, pfs_interval=1000, local_keep=2, pfs_keep=2, rank=0,
+                     world_size=1, first_on_node=True, job_id="J")
+    return TieredCheckpointer(s, lambda: state, EventLog(None), device=device)
+
+
+def _committed(ckpt, step):
+    layout_bytes, data, _ = ckpt.local.read_part(step)
+    return staging.rebuild(staging.StateLayout.from_bytes(layout_bytes), torch.frombuffer(data, dtype=torch.uint8))
+
+
+def test_every_background_thread_selects_the_ranks_device_first(one_rank, tmp_path):
+    gpu = FakeCuda()
+    gpu.set_device(RANK_DEVICE)
+    state = _state()
+    ckpt = _engine(tmp_path, state, CudaDevice(gpu))
+    ckpt.save(2)
+    ckpt.wait_for_staging()
+    ckpt.close()
+    for name in ("ckpt-local-writer", "ckpt-pfs-drainer", "ckpt-staging-copy"):
+        assert gpu.calls(name)[:1] == [(name, 0, "set_device", (RANK_DEVICE,))], name
+    assert not [c for c in gpu.log if c[2] == "synchronize"]
+    assert all(torch.equal(v, state[k]) for k, v in _committed(ckpt, 2).items())
+
+
+def test_cpu_save_point_then_copy_then_wait_before_the_update(one_rank, tmp_path):
+    """The CPU stand-in in the real engine: the copy runs on its own thread after the
+    save point, and wait_for_staging() returns only once it is done, so an update
+    right after never reaches the staged bytes even when the copy is slow."""
+    order = []
+
+    class SlowCopy(device_copy.Copy):
+        def run(self, groups, progress=None):
+            order.append(("copy", threading.current_thread().name))
+            threading.Event().wait(0.3)
+            super().run(groups, progress)
+            order.append(("copied", threading.current_thread().name))
+
+    class Recording(device_copy.Device):
+        def save_point(self):
+            order.append(("save point", threading.current_thread().name))
+            return SlowCopy()
+
+    state = _state()
+    before = {k: v.clone() for k, v in state.items()}
+    ckpt = _engine(tmp_path, state, Recording())
+    ckpt.save(2)
+    ckpt.wait_for_staging()
+    order.append(("update", threading.current_thread().name))
+    for t in state.values():
+        t.add_(1)
+    ckpt.close()
+    assert order == [("save point", "MainThread"), ("copy", "ckpt-staging-copy"),
+                     ("copied", "ckpt-staging-copy"), ("update", "MainThread")]
+    assert all(torch.equal(v, before[k]) for k, v in _committed(ckpt, 2).items())
+
+
+# ---- replication's NCCL path, with a loopback in place of NCCL ----
+
+class Loopback:
+    """dist.P2POp / batch_isend_irecv between two threads standing for two ranks."""
+
+    def __init__(self) -> None:
+        self.boxes = {0: queue.Queue(), 1: queue.Queue()}
+        self.rank = threading.local()
+        self.sent: list = []  # (rank, tensor's storage pointer, bytes)
+
+    def op(self, fn, tensor, peer, group):
+        return fn, tensor, peer
+
+    def batch(self, ops):
+        me = self.rank.r
+        for fn, t, peer in ops:
+            if fn is dist.isend:
+                self.sent.append((me, t.untyped_storage().data_ptr(), t.numel()))
+                self.boxes[peer].put((me, t.clone()))
+        for fn, t, peer in ops:
+            if fn is dist.irecv:
+                src, data = self.boxes[me].get(timeout=10)
+                assert src == peer
+                t.copy_(data)
+        return []
+
+
+def test_nccl_replication_moves_parts_in_chunks_through_one_reused_device_buffer(monkeypatch):
+    """The NCCL path of Wire (a device given), with the CPU standing in for the device:
+    each side's part arrives whole and unchanged, and every chunk sent went through
+    the same device buffer of one chunk, so no part is ever whole in GPU memory."""
+    from titan_ckpt_plus import replication
+    from titan_ckpt_plus.replication import Part, Wire
+
+    net = Loopback()
+    monkeypatch.setattr(replication, "CHUNK", 1000)
+    monkeypatch.setattr(replication.dist, "P2POp", net.op)
+    monkeypatch.setattr(replication.dist, "batch_isend_irecv", net.batch)
+    g = torch.Generator().manual_seed(5)
+    parts = [Part(b'{"m": %d}' % r, b"layout" * (r + 1), bytearray(torch.randint(0, 256, (3500 + r,), generator=g,
+                                                                                dtype=torch.uint8).numpy()))
+             for r in (0, 1)]
+    wires, got = [Wire(None, device=torch.device("cpu")) for _ in (0, 1)], {}
+
+    def rank(r):
+        net.rank.r = r
+        got[r] = wires[r].exchange(1 - r, parts[r], 1 - r, max_bytes=1 << 20)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    for r in (0, 1):
+        part, why = got[r]
+        src = parts[1 - r]
+        assert not why and (part.manifest, part.layout, bytes(part.data)) == (src.manifest, src.layout, bytes(src.data))
+        chunks = [(p, n) for who, p, n in net.sent if who == r and n > 8]  # the bytes, not the sizes
+        assert len(chunks) >= 4 and {p for p, _ in chunks} == {wires[r]._dev_buf.untyped_storage().data_ptr()}
+        assert wires[r]._dev_buf.numel() == 1000
