@@ -195,10 +195,19 @@ def _points(records, key):
 @e2e
 def test_report_pngs_open_and_plot_the_records(run, tmp_path, capsys):
     rep = render(str(run / "dump"), str(tmp_path / "rep"))
-    assert [os.path.basename(f) for f in rep.files] == ["delta.png", "background_write.png"]
-    for f in rep.files:
+    assert [os.path.basename(f) for f in rep.files] == ["delta.png", "background_write.png", "interval.png"]
+    for f in rep.files[:2]:
         assert _image_size(f) == (800, 450)
-    assert any("interval/MTBF panel skipped" in n for n in rep.notes)
+    # fixed intervals (local 2, PFS 4) against Young's tau for the measured delta: a
+    # record after every save, the waste of the configured interval beside the optimum
+    iv = ckpt_events(run, "interval")
+    assert [e["step"] for e in iv] == [2, 4, 6, 8, 10, 12] and not any(e["adaptive"] for e in iv)
+    assert rep.series["interval/local interval"][1] == [2.0] * 6
+    assert rep.series["interval/pfs interval"][1] == [4.0] * 6
+    assert rep.series["interval/local tau"][1] == [e["local_tau_s"] for e in iv]
+    for e in iv[1:]:  # from the second save on a step time is known
+        assert e["local_s"] == pytest.approx(2 * e["step_time_s"])
+        assert e["local_waste"] > e["local_optimal_waste"] > 0  # 2 steps is far below tau here
     assert rep.series["delta/local delta"] == _points(ckpt_events(run, "stage"), "delta_s")
     assert rep.series["background_write/local write"] == _points(
         ckpt_events(run, "local_commit"), "background_write_s")
@@ -219,7 +228,7 @@ def test_report_interval_panel_and_failures_marked(run, tmp_path):
 
     dump = tmp_path / "dump"
     (dump / "titan_ckpt_plus").mkdir(parents=True)
-    ev = events(run / "dump" / "titan_ckpt_plus" / "events.jsonl")
+    ev = [e for e in events(run / "dump" / "titan_ckpt_plus" / "events.jsonl") if e["event"] != "interval"]
     t0 = min(e["time"] for e in ev)
     ledger = FailureLedger(dump / "titan_ckpt_plus" / "ledger.jsonl")
     ledger.start("a", t0 - 1, world_size=2)
@@ -235,6 +244,8 @@ def test_report_interval_panel_and_failures_marked(run, tmp_path):
     ev += [{"event": "interval", "step": 2 * i, "local_steps": i + 2, "pfs_steps": 2 * i + 4,
             "local_tau_s": 10.0 * (i + 1), "pfs_tau_s": 20.0 * (i + 1),
             "mtbf_any_s": math.inf if i == 0 else 3600.0 * i, "mtbf_unrecoverable_s": 7200.0,
+            "local_optimal_steps": 3, "local_s": 1.5 * (i + 2), "local_waste": 0.01 * (i + 1),
+            "local_optimal_waste": 0.005 if i else None, "adaptive": False,
             "time": t0 + 120 * i} for i in range(5)]
     (dump / "titan_ckpt_plus" / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ev))
     last = max((e for e in ev if e["time"] < t0 + 650 and e["event"] != "failure"),
@@ -243,12 +254,18 @@ def test_report_interval_panel_and_failures_marked(run, tmp_path):
     rep = render(str(dump))
     out = dump / "titan_ckpt_plus" / "report"
     assert rep.files == [str(out / n) for n in ("delta.png", "background_write.png", "interval.png")]
-    assert _image_size(rep.files[2]) == (800, 900) and not rep.notes
+    assert _image_size(rep.files[2]) == (800, 1200) and not rep.notes
     minutes = pytest.approx([i * 2.0 for i in range(5)])  # 120 s apart: a 10-minute span
     assert rep.series["interval/local interval"] == (minutes, [2.0, 3.0, 4.0, 5.0, 6.0])
     assert rep.series["interval/pfs interval"] == (minutes, [4.0, 6.0, 8.0, 10.0, 12.0])
     assert rep.series["interval/local tau"] == (minutes, [10.0, 20.0, 30.0, 40.0, 50.0])
     assert rep.series["interval/pfs tau"] == (minutes, [20.0, 40.0, 60.0, 80.0, 100.0])
+    # fixed intervals against the policy's: its steps, the interval in s, waste in %
+    assert rep.series["interval/local Young"] == (minutes, [3.0] * 5)
+    assert rep.series["interval/local interval (s)"] == (minutes, [3.0, 4.5, 6.0, 7.5, 9.0])
+    assert rep.series["interval/local waste, interval in use"][1] == pytest.approx([1, 2, 3, 4, 5])
+    assert rep.series["interval/local waste at tau"][1] == pytest.approx([0.5] * 4)  # None: not yet
+    assert "interval/pfs Young" not in rep.series  # not in these records
     # MTBF in hours; the first, infinite estimate is not plotted
     assert rep.series["interval/MTBF any"] == (pytest.approx([2.0, 4.0, 6.0, 8.0]), [1.0, 2.0, 3.0, 4.0])
     assert rep.series["interval/MTBF unrecoverable"][1] == [2.0] * 5

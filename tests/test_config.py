@@ -70,3 +70,19 @@ def test_local_folder_overlapping_pfs_is_refused(tmp_path, inside):
 def test_placeholders_expand(monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "3")
     assert config.resolve_local_folder("/nvme/{node_rank}").endswith("/nvme/3")
+
+
+@pytest.mark.parametrize("recipe", ["llama3_8b_tiered.toml", "debug_tiered.toml"])
+def test_shipped_recipes_parse_and_validate(recipe):
+    """The 8B recipe turns on what a cluster user wants: wandb, a replica on the next
+    node and adaptive intervals."""
+    from torchtitan.config import ConfigManager
+
+    from harness import ROOT
+
+    cfg = ConfigManager().parse_args(["--job.config_file", str(ROOT / "train_configs" / recipe)])
+    config.validate(cfg.checkpoint, cfg.job.dump_folder)
+    if recipe.startswith("llama3_8b"):
+        ck = cfg.checkpoint
+        assert (ck.tier_local, ck.replication_factor, ck.adaptive_interval) == (True, 1, True)
+        assert cfg.metrics.enable_wandb and not ck.last_save_model_only

@@ -26,3 +26,22 @@ def test_ckpt_metrics_reach_wandb_next_to_the_loss(tmp_path):
     assert [r["ckpt/pfs/committed_step"] for r in drains] == [4, 8, 12]
     deltas = [r["ckpt/local/delta_s"] for r in rows if "ckpt/local/delta_s" in r]
     assert deltas == [e["delta_s"] for e in ckpt_events(tmp_path, "stage")]
+
+
+def test_every_dashboard_panel_plots_a_key_an_offline_run_logs(tmp_path):
+    """Two simulated nodes with a replica each, killed after step 7 and restarted: the
+    keys both incarnations log to wandb cover every panel of `titan-ckpt
+    wandb-workspace` (saves, replication, drains, intervals, MTBF, recovery)."""
+    from harness import torchrun_nodes
+    from titan_ckpt_plus import wandb_workspace
+
+    args = ("--metrics.enable_wandb", "--checkpoint.replication_factor=1")
+    run1 = torchrun_nodes(tmp_path, *args, nproc=1, fault="kill_after_step@7:1", loss_log="run1.jsonl")
+    assert any(p.returncode for p in run1)
+    run2 = torchrun_nodes(tmp_path, *args, nproc=1, loss_log="run2.jsonl")
+    assert all(p.returncode == 0 for p in run2), run2[0].stdout[-3000:]
+    files = list((tmp_path / "dump").rglob("run-*.wandb"))
+    assert len(files) == 2  # one per incarnation, from the metrics rank
+    logged = {k for f in files for row in history(f) for k in row}
+    missing = [k for k in wandb_workspace.panel_keys() if k not in logged]
+    assert not missing, missing

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from titan_ckpt_plus import device_copy, faults, recovery, staging
 from titan_ckpt_plus.placement import ReplicaPlacement
-from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule
+from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
 from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.local import LocalTier
@@ -100,7 +100,7 @@ class TieredCheckpointer:
     def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog,
                  placement: ReplicaPlacement | None = None,
                  policy: IntervalPolicy | None = None,
-                 device: device_copy.Device | None = None) -> None:
+                 device: device_copy.Device | None = None, adaptive: bool = False) -> None:
         self.s = s
         self.capture = capture
         self.events = events
@@ -125,8 +125,8 @@ class TieredCheckpointer:
         # interleave with each other or with the training group's.
         self.commit_pg = dist.new_group(backend="gloo")
         self.drain_pg = dist.new_group(backend="gloo")
-        self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=policy is not None)
-        self.policy = policy
+        self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
+        self.policy = policy  # adaptive: sets the intervals; else only compared with them
         # The training thread's own group (interval decisions, preemption agreement):
         # only that thread issues on it, so the order is the same on every rank.
         self.main_pg = dist.new_group(backend="gloo")
@@ -222,25 +222,38 @@ class TieredCheckpointer:
         self.events.record("stage", step=self._pending_step, tier="local", delta_s=delta,
                            wait_prev_s=self._pending_wait)
         if self.policy is not None:
-            self._adapt(self._pending_step, delta)
+            self._review_intervals(self._pending_step, delta)
 
-    def _adapt(self, step: int, delta: float) -> None:
-        """Recompute both intervals from this save's numbers, taken as the maximum
-        over ranks so every rank schedules the same steps."""
+    def _review_intervals(self, step: int, delta: float) -> None:
+        """After every save, both tiers' intervals against the policy's choice for this
+        save's numbers. Adaptive intervals take that choice, from the maxima over ranks
+        so every rank schedules the same steps; fixed ones stay, and rank 0 only
+        records Young's tau and the expected waste of the configured interval against
+        it (no collective), so a user sees how far a fixed interval is off."""
         mine = [delta, self._step_time, self._last_write["local"], self._last_write["pfs"],
                 time.monotonic() - self._started]
-        t = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)
-        m = Measurements(*t.tolist())
+        if self.schedule.adaptive:
+            t = torch.tensor(mine, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)
+            mine = t.tolist()
+        elif self.s.rank != 0:
+            return
+        m = Measurements(*mine)
         local, pfs, mtbf = self.policy.update(m)
-        self.schedule.local_interval, self.schedule.pfs_interval = local.steps, pfs.steps
-        self._info(f"[titan_ckpt_plus] intervals after step {step}: local {local.steps} steps "
-                   f"({local.reason}), PFS {pfs.steps} steps ({pfs.reason}); MTBF any "
-                   f"{mtbf['any'] / 3600:.3g} h, unrecoverable {mtbf['unrecoverable_local'] / 3600:.3g} h")
-        self.events.record("interval", step=step, local_steps=local.steps, pfs_steps=pfs.steps,
-                           local_tau_s=local.tau_s, pfs_tau_s=pfs.tau_s, local_reason=local.reason,
-                           pfs_reason=pfs.reason, mtbf_any_s=mtbf["any"],
-                           mtbf_unrecoverable_s=mtbf["unrecoverable_local"],
+        if self.schedule.adaptive:
+            self.schedule.local_interval, self.schedule.pfs_interval = local.steps, pfs.steps
+            self._info(f"[titan_ckpt_plus] intervals after step {step}: local {local.steps} steps "
+                       f"({local.reason}), PFS {pfs.steps} steps ({pfs.reason}); MTBF any "
+                       f"{mtbf['any'] / 3600:.3g} h, unrecoverable {mtbf['unrecoverable_local'] / 3600:.3g} h")
+        record = {}
+        for tier, d, cost, mtbf_s in (("local", local, m.delta_local_s, mtbf["any"]),
+                                      ("pfs", pfs, m.write_pfs_s, mtbf["unrecoverable_local"])):
+            a = assess(getattr(self.schedule, f"{tier}_interval"), d, cost, mtbf_s, m.step_time_s)
+            record.update({f"{tier}_steps": a.steps, f"{tier}_s": a.seconds, f"{tier}_tau_s": a.tau_s,
+                           f"{tier}_optimal_steps": a.optimal_steps, f"{tier}_reason": d.reason,
+                           f"{tier}_waste": a.waste, f"{tier}_optimal_waste": a.optimal_waste})
+        self.events.record("interval", step=step, adaptive=self.schedule.adaptive, **record,
+                           mtbf_any_s=mtbf["any"], mtbf_unrecoverable_s=mtbf["unrecoverable_local"],
                            delta_s=m.delta_local_s, step_time_s=m.step_time_s,
                            write_local_s=m.write_local_s, write_pfs_s=m.write_pfs_s,
                            uptime_s=m.uptime_s, evidence=self.policy.evidence)

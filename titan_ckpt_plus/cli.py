@@ -495,6 +495,59 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0 if rep.files else 1
 
 
+def _wandb_workspace_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = """\
+Save a wandb workspace (a saved view of PROJECT) with the plugin's panels: delta per
+tier, staging and background write time and bandwidth per tier, time to a durable
+commit, replication time and bytes, drain lag, interval vs Young's tau per tier,
+expected waste, MTBF estimates and failures, recovery time and bytes per source.
+Runs log these keys under ckpt/ through torchtitan's wandb logger
+([metrics] enable_wandb = true). Needs wandb credentials (`wandb login` or
+WANDB_API_KEY) and the network, unless --dry-run.
+
+exit status: 0 saved (or written), 1 no credentials or wandb not reachable, 2 bad
+ENTITY/PROJECT."""
+    p.epilog = """\
+examples:
+  titan-ckpt wandb-workspace my-team/llama3-8b
+  titan-ckpt wandb-workspace my-team/llama3-8b --dry-run --out ckpt-workspace.json"""
+    p.add_argument("target", metavar="ENTITY/PROJECT", help="the wandb entity and project the runs log to")
+    p.add_argument("--name", default="titan_ckpt_plus checkpoints", help="the workspace's name")
+    p.add_argument("--dry-run", action="store_true", help="save nothing; with --out, write the spec as JSON")
+    p.add_argument("--out", default=None, metavar="FILE", help="where --dry-run writes the workspace spec")
+
+
+def cmd_wandb_workspace(args: argparse.Namespace) -> int:
+    """A wandb workspace of the ckpt/ panels, saved or written as JSON."""
+    import json
+
+    from . import wandb_workspace
+
+    entity, _, project = args.target.partition("/")
+    if not entity or not project or "/" in project:
+        print(f"error: {args.target!r} is not ENTITY/PROJECT (e.g. my-team/llama3-8b)")
+        return 2
+    workspace = wandb_workspace.build(entity, project, args.name)
+    if args.dry_run:
+        panels = wandb_workspace.PANELS
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(wandb_workspace.spec(workspace), f, indent=1)
+            print(f"wrote the workspace spec ({len(panels)} panels) to {args.out}; nothing was saved to wandb")
+        else:
+            for p in panels:
+                print(f"{p.section}: {p.title}: {', '.join(p.keys)}")
+        return 0
+    try:
+        url = wandb_workspace.save(workspace)
+    except RuntimeError as e:
+        print(f"error: {e}")
+        return 1
+    print(f"saved workspace {args.name!r}: {url}")
+    return 0
+
+
 # -- registry ---------------------------------------------------------------
 
 # name -> (help, add_arguments, run). Add new subcommands here.
@@ -508,6 +561,8 @@ COMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "clean": ("remove other jobs' stale steps from a node's local folder (--dry-run first)",
               _clean_args, cmd_clean),
     "verify": ("check every checksum under a step, tier or dump folder; non-zero on failure", _verify_args, cmd_verify),
+    "wandb-workspace": ("save a wandb workspace with the ckpt/ panels (--dry-run --out FILE: as JSON)",
+                        _wandb_workspace_args, cmd_wandb_workspace),
     "report": ("PNG plots of delta, write time, interval and MTBF from the events file", _report_args, cmd_report),
 }
 

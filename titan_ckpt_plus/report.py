@@ -2,8 +2,12 @@
 
     delta.png             training blocked per save (delta_s), per tier, over steps
     background_write.png  background write time per tier (and replication), over steps
-    interval.png          interval per tier in steps and tau, and MTBF per failure class,
-                          over wall time (only when the run logged "interval" records)
+    interval.png          per tier over wall time: the interval in use against the policy's
+                          (Young's) choice, in steps and in seconds against tau; the MTBF per
+                          failure class; and the expected waste of the interval in use
+                          against the optimal one. Fixed intervals are compared too (the run
+                          logs "interval" records either way; runs from before that did so
+                          only with adaptive_interval)
 
 Recoveries are drawn as vertical lines (at the step recovered from, or at their time);
 failures likewise, from the failure ledger beside the events file (an incarnation that
@@ -21,6 +25,7 @@ from titan_ckpt_plus import inspect
 
 LEDGER = "ledger.jsonl"  # the failure ledger beside events.jsonl (policy/ledger.py)
 RECOVERY_STYLE = dict(color="tab:red", linestyle="--", linewidth=1.2)
+TIER_COLORS = {"local": "tab:blue", "pfs": "tab:green"}
 FAILURE_STYLE = dict(color="black", linestyle=":", linewidth=1.2)
 
 
@@ -121,8 +126,12 @@ def _mark_events(ax, rep: Report, png: str, marks: list[dict], x: str, t0: float
         labelled.add(label)
 
 
+# Per tier, the fields of an "interval" record that interval.png plots (in order).
+_TIER_FIELDS = ("steps", "tau_s", "optimal_steps", "s", "waste", "optimal_waste")
+
+
 def _interval_points(iv: list[dict]) -> tuple[dict, dict]:
-    """({tier: [(time, steps, tau_s)]}, {failure class: [(time, mtbf_s)]}) from the
+    """({tier: [(time, *_TIER_FIELDS)]}, {failure class: [(time, mtbf_s)]}) from the
     plugin's "interval" records (local_steps, local_tau_s, pfs_..., mtbf_<class>_s)."""
     tiers: dict[str, list] = {}
     mtbf: dict[str, list] = {}
@@ -130,7 +139,7 @@ def _interval_points(iv: list[dict]) -> tuple[dict, dict]:
         for tier in ("local", "pfs"):
             if f"{tier}_steps" in r or f"{tier}_tau_s" in r:
                 tiers.setdefault(tier, []).append(
-                    (r["time"], _num(r.get(f"{tier}_steps")), _num(r.get(f"{tier}_tau_s"))))
+                    (r["time"], *(_num(r.get(f"{tier}_{k}")) for k in _TIER_FIELDS)))
         for key, v in r.items():
             if key.startswith("mtbf_") and key.endswith("_s") and len(key) > 7:
                 mtbf.setdefault(key[5:-2], []).append((r["time"], _num(v)))
@@ -201,20 +210,25 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
     # intervals and MTBF over time
     iv = [e for e in of("interval") if _num(e.get("time")) is not None]
     if not iv:
-        rep.notes.append("no \"interval\" records in the events file (adaptive_interval off?): "
+        rep.notes.append("no \"interval\" records in the events file (no save measured yet?): "
                          "interval/MTBF panel skipped")
         return rep
     t0 = min(e["time"] for e in ev if _num(e.get("time")) is not None)
     span = max(e["time"] for e in iv) - t0
     unit, scale = ("h", 3600.0) if span > 7200 else ("min", 60.0) if span > 120 else ("s", 1.0)
-    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(8, 12), sharex=True)
     tiers, mtbf = _interval_points(iv)
+    # (axis, field of the row, label, factor, dashed): in use solid, the policy's dashed
+    lines = ((0, 1, "interval", 1.0, False), (0, 3, "Young", 1.0, True),
+             (1, 4, "interval (s)", 1.0, False), (1, 2, "tau", 1.0, True),
+             (3, 5, "waste, interval in use", 100.0, False), (3, 6, "waste at tau", 100.0, True))
     for tier, rows in sorted(tiers.items()):
-        for ax, i, label in ((axes[0], 1, f"{tier} interval"), (axes[1], 2, f"{tier} tau")):
-            pts = [((r[0] - t0) / scale, r[i]) for r in rows if r[i] is not None]
+        for ax, i, what, factor, dashed in lines:
+            pts = [((r[0] - t0) / scale, r[i] * factor) for r in rows if r[i] is not None]
             if pts:
-                _plot(ax, rep, "interval", label, [p[0] for p in pts], [p[1] for p in pts],
-                      broken=False, drawstyle="steps-post")
+                _plot(axes[ax], rep, "interval", f"{tier} {what}", [p[0] for p in pts],
+                      [p[1] for p in pts], broken=False, drawstyle="steps-post",
+                      color=TIER_COLORS.get(tier), linestyle="--" if dashed else "-")
     for cls, rows in sorted(mtbf.items()):
         pts = [((t - t0) / scale, v / 3600) for t, v in rows if v is not None]
         if pts:
@@ -222,17 +236,20 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
                   broken=False, drawstyle="steps-post")
     if not any(v is not None for rows in mtbf.values() for _, v in rows):
         rep.notes.append("\"interval\" records carry no finite MTBF: MTBF panel left empty")
-    for ax, kind in ((axes[1], "tau"), (axes[2], "MTBF")):
-        ys = [y for k, (_, v) in rep.series.items() if k.startswith("interval/") and kind in k for y in v]
+    for ax in axes[:3]:
+        ys = [float(y) for line in ax.get_lines() for y in line.get_ydata()]
         if ys and min(ys) > 0 and max(ys) / min(ys) > 100:
             ax.set_yscale("log")  # e.g. the MTBF of any failure vs. of unrecoverable ones
     for i, ax in enumerate(axes):
         _mark_events(ax, rep, f"interval[{i}]", marks, "time", t0, scale)
     log = lambda ax: ", log scale" if ax.get_yscale() == "log" else ""  # noqa: E731
-    axes[0].set(title=f"Checkpoint interval per tier - {title_run}", ylabel="interval (steps)")
-    axes[1].set(title="Target compute time between checkpoints (tau)", ylabel=f"tau (s{log(axes[1])})")
-    axes[2].set(title="MTBF estimate per failure class", ylabel=f"MTBF (h{log(axes[2])})",
-                xlabel=f"wall time since the first record ({unit})")
+    mode = "adaptive" if any(e.get("adaptive") for e in iv) else "fixed"
+    axes[0].set(title=f"Checkpoint interval per tier ({mode}, solid) vs Young's (dashed) - {title_run}",
+                ylabel=f"interval (steps{log(axes[0])})")
+    axes[1].set(title="The interval in use vs Young's tau, in seconds", ylabel=f"seconds{log(axes[1])}")
+    axes[2].set(title="MTBF estimate per failure class", ylabel=f"MTBF (h{log(axes[2])})")
+    axes[3].set(title="Expected cost: saving + redone work, first order (PFS saving at its drain time)",
+                ylabel="% of wall time", xlabel=f"wall time since the first record ({unit})")
     _save(fig, axes, os.path.join(out_dir, "interval.png"), rep)
     plt.close(fig)
     return rep

@@ -17,6 +17,14 @@ log = logging.getLogger("titan_ckpt_plus")
 PREFIX = "ckpt"
 
 
+# An "interval" record's per-tier fields and their metrics: the interval in use (s),
+# the policy's (Young's) tau, and the expected waste of each.
+_INTERVAL_METRICS = {"s": "interval/{tier}_s", "tau_s": "interval/{tier}_tau_s",
+                     "optimal_steps": "interval/{tier}_optimal_steps",
+                     "waste": "interval/expected_waste_{tier}",
+                     "optimal_waste": "interval/expected_waste_{tier}_optimal"}
+
+
 def metrics_of(event: str, f: dict) -> dict:
     """The dashboard scalars of one event, named `ckpt/<group>/<name>`, so wandb's
     workspace groups them in a "ckpt" section with a panel per tier."""
@@ -42,11 +50,12 @@ def metrics_of(event: str, f: dict) -> dict:
         out = {"interval/local_steps": f["local_steps"], "interval/pfs_steps": f["pfs_steps"],
                "interval/mtbf_any_h": f["mtbf_any_s"] / 3600,
                "interval/mtbf_unrecoverable_h": f["mtbf_unrecoverable_s"] / 3600,
-               "interval/failures_any": (f.get("evidence") or {}).get("any", (0, 0))[0],
-               "interval/expected_waste_local": math.sqrt(2 * f["delta_s"] / f["mtbf_any_s"])}
+               "interval/failures_any": (f.get("evidence") or {}).get("any", (0, 0))[0]}
         for tier in ("local", "pfs"):
-            if f[f"{tier}_tau_s"] is not None and math.isfinite(f[f"{tier}_tau_s"]):
-                out[f"interval/{tier}_tau_s"] = f[f"{tier}_tau_s"]
+            for field, name in _INTERVAL_METRICS.items():
+                v = f.get(f"{tier}_{field}")
+                if isinstance(v, (int, float)) and math.isfinite(v):  # None: not measured yet
+                    out[name.format(tier=tier)] = v
         return out
     if event == "recovery":
         return {"recovery/seconds": f["seconds"], "recovery/step": f["step"],

@@ -83,7 +83,8 @@ class TieredCheckpointManager(_StockManager):
         placement = self._placement(checkpoint_config, world)
         policy = self._interval_policy(checkpoint_config)
         self._optimizer_state = self._optimizer_state_cache()
-        self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement, policy)
+        self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement, policy,
+                                         adaptive=checkpoint_config.adaptive_interval)
         ledger_path = os.path.join(base_folder, "titan_ckpt_plus", "ledger.jsonl")
         self.ledger = FailureLedger(ledger_path) if rank == 0 else None
         self.incarnation = f"{int(time.time())}-{os.getpid()}"
@@ -119,9 +120,9 @@ class TieredCheckpointManager(_StockManager):
             raise config.ConfigError(str(e)) from None
 
     @staticmethod
-    def _interval_policy(ckpt) -> IntervalPolicy | None:
-        if not ckpt.adaptive_interval:
-            return None
+    def _interval_policy(ckpt) -> IntervalPolicy:
+        """Sets the intervals with adaptive_interval; otherwise it only says what it
+        would choose, for the dashboard."""
         return IntervalPolicy(ckpt.min_interval, ckpt.max_interval, ckpt.mtbf_prior_hours * 3600,
                               ckpt.pfs_mtbf_prior_hours * 3600, ckpt.mtbf_prior_weight,
                               use_daly=ckpt.interval_formula == "daly")
@@ -142,10 +143,9 @@ class TieredCheckpointManager(_StockManager):
                         f"{summary.exposure_s / 3600:.3g} h")
         box = [evidence]
         dist.broadcast_object_list(box, src=0, group=self.tiered.commit_pg)
-        if self.tiered.policy is not None:
-            self.tiered.policy.evidence = box[0]
-            if tier is not None:
-                self.tiered.policy.controller.observe_restart(seconds)
+        self.tiered.policy.evidence = box[0]
+        if tier is not None:
+            self.tiered.policy.controller.observe_restart(seconds)
 
     def _establish_identity(self, adopt: str, base_folder: str) -> identity.JobIdentity:
         """Collective: the job's identity, decided on rank 0 from the dump folder (see

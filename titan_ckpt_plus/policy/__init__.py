@@ -14,6 +14,7 @@ from .young import (
     daly_interval,
     expected_lost_work,
     overhead_fraction,
+    waste_fraction,
     young_interval,
     young_table,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "daly_interval",
     "expected_lost_work",
     "overhead_fraction",
+    "waste_fraction",
     "young_interval",
     "young_table",
 ]

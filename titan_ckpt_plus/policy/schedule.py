@@ -14,12 +14,18 @@ interval shorter than it would only queue drains.
 
 Every rank must take the same decision at the same step, so the caller feeds
 `IntervalPolicy.update` the same numbers on every rank (an all-reduce).
+
+With fixed intervals the same policy runs as an observer: `assess` says what Young's
+formula would choose for the measured costs and the MTBF estimate, and the expected
+waste of the configured interval against it, so a user sees how far it is off.
 """
 
+import math
 from dataclasses import dataclass
 
 from .controller import Decision, IntervalController
 from .mtbf import GammaPoissonMTBF
+from .young import waste_fraction
 
 
 class SaveSchedule:
@@ -95,3 +101,30 @@ class IntervalPolicy:
         if pfs.steps < local.steps:  # a PFS step is a local step: never drain more often
             pfs = Decision(local.steps, pfs.tau_s, pfs.reason + "; raised to the local interval")
         return local, pfs, mtbf
+
+
+@dataclass(frozen=True)
+class TierAssessment:
+    """One tier's interval in use against the policy's choice (seconds at the
+    measured step time; None where a cost is not measured yet)."""
+
+    steps: int  # the interval in use
+    seconds: float
+    tau_s: float | None  # the policy's interval (Young's or Daly's, or the write floor)
+    optimal_steps: int  # what adaptive intervals would use
+    waste: float | None  # expected fraction of time lost with the interval in use
+    optimal_waste: float | None  # ... with the policy's interval
+
+
+def assess(steps: int, decision: Decision, cost_s: float, mtbf_s: float,
+           step_time_s: float) -> TierAssessment:
+    """`cost_s`: what one save costs the tier (delta; the drain's write for the PFS)."""
+    seconds = steps * step_time_s
+
+    def waste(tau: float | None) -> float | None:
+        if not cost_s or not tau or math.isinf(tau) or math.isinf(mtbf_s):
+            return None
+        return waste_fraction(cost_s, tau, mtbf_s)
+
+    return TierAssessment(steps, seconds, decision.tau_s, decision.steps, waste(seconds),
+                          waste(decision.tau_s))

@@ -77,6 +77,17 @@ def expected_lost_work(tau_s: float) -> float:
     return tau_s / 2.0
 
 
+def waste_fraction(delta_s: float, tau_s: float, mtbf_s: float) -> float:
+    """Expected fraction of wall time lost with interval ``tau``: saving
+    (delta / tau) plus redone work (tau / 2 per failure, one per M). At Young's
+    tau it equals ``overhead_fraction``; the ratio to that says how far a chosen
+    interval is off."""
+    _check(delta_s, mtbf_s)
+    if not tau_s > 0.0:
+        raise ValueError(f"tau_s must be > 0, got {tau_s!r}")
+    return delta_s / tau_s + expected_lost_work(tau_s) / mtbf_s
+
+
 def checkpoints_per_day(tau_s: float, delta_s: float = 0.0) -> float:
     """Checkpoints written per wall-clock day: one per (tau + delta) cycle."""
     cycle = tau_s + delta_s
