@@ -20,9 +20,9 @@ from titan_ckpt_plus.tiers.local import JOB_RECORD, NodeJob, node_jobs
 
 STALE = {"gone-c": "stale: dump folder missing",
          "moved-d": "stale: dump folder is now job other-x",
-         "noid-e": "stale: dump folder has no job identity",
          "(no identity)": "legacy: no job identity, never loaded"}
-KEPT = {"run-a": "running", "res-b": "resumable"}
+KEPT = {"run-a": "running", "res-b": "resumable",
+        "noid-e": "orphaned: its dump folder has no job identity (adopt_job = 'noid-e' there continues it)"}
 
 
 def _steps(folder: Path, steps, nbytes: int = 1000) -> None:
@@ -67,7 +67,9 @@ def node(tmp_path) -> Path:
     _job(local, "noid-e", dumps / "noid-e")
     _job(local, "garb-f", dumps / "res-b")
     (local / "job-garb-f" / JOB_RECORD).write_text("{not json")
-    _steps(local, (100, 200))  # written before job identities
+    _steps(local, (100, 200))  # written before job identities, last touched 2 h ago
+    for s in (100, 200):
+        _age(local / f"step-{s}", 2)
     return local
 
 
@@ -148,7 +150,8 @@ def test_ls_node_folder_lists_each_job_with_its_status(node, running, capsys):
     assert rows["garb-f"]["dump_folder"] == "(JOB.json: unreadable)"
     assert rows["(no identity)"]["size"] == "2.0 KiB"  # 2 x 1000 B
     assert rows["gone-c"]["size"] == files.human_bytes(_size(node / "job-gone-c"))
-    assert all(re.fullmatch(r"\d+s", r["age"]) for r in rows.values())
+    assert rows["(no identity)"]["age"] == "2.0h"
+    assert all(re.fullmatch(r"\d+s", r["age"]) for j, r in rows.items() if j != "(no identity)")
     assert lines[-1] == f"# stale steps are never deleted by a job: titan-ckpt clean {node} --dry-run"
 
 
@@ -191,9 +194,10 @@ def test_job_status(tmp_path):
         ("a", "other", "pid 1"): ("running", False),
         ("a", "other", ""): ("stale: dump folder is now job b", True),
         ("a", "nowhere", ""): ("stale: dump folder missing", True),
-        ("a", "bare", ""): ("stale: dump folder has no job identity", True),
-        ("a", "garbled", ""): ("stale: dump folder identity unreadable", True),
-        (None, "nowhere", ""): ("legacy: no job identity, never loaded", True),
+        ("a", "bare", ""): ("orphaned: its dump folder has no job identity (adopt_job = 'a' there "
+                            "continues it)", False),
+        ("a", "garbled", ""): ("orphaned: its dump folder's identity is unusable (adopt_job = 'a' "
+                               "there continues it)", False),
     }
     for (job_id, dump, writing), want in cases.items():
         assert job_status(_node_job(job_id, tmp_path / dump, writing=writing)) == want, (job_id, dump)
@@ -233,8 +237,9 @@ def test_clean_dry_run_lists_the_stale_and_legacy_steps_and_changes_nothing(node
     assert f"kept run-a: still writing ({running.who})" in lines
     assert "kept res-b: resumable" in lines
     assert any(line.startswith("kept garb-f: unknown: JOB.json") for line in lines)
-    size = 2000 + sum(_size(node / f"job-{j}") for j in ("gone-c", "moved-d", "noid-e"))
-    assert lines[-1] == f"total: would remove 12 steps, {files.human_bytes(size)}; kept 3 of 7 jobs"
+    assert "kept noid-e: orphaned: its dump folder has no job identity" in "\n".join(lines)
+    size = 2000 + sum(_size(node / f"job-{j}") for j in ("gone-c", "moved-d"))
+    assert lines[-1] == f"total: would remove 11 steps, {files.human_bytes(size)}; kept 4 of 7 jobs"
     assert {p: p.stat().st_mtime for p in node.rglob("*")} == before
 
 
@@ -242,13 +247,13 @@ def test_clean_removes_exactly_the_stale_and_legacy_steps(node, running, capsys)
     rc, lines = _cli(capsys, "clean", node)
     assert rc == 0
     assert set(_clean_lines(lines, "removed")) == set(STALE)
-    assert _left(node) == {"job-run-a", "job-res-b", "job-garb-f"}
+    assert _left(node) == {"job-run-a", "job-res-b", "job-garb-f", "job-noid-e"}
     assert sorted(os.listdir(node / "job-res-b")) == [JOB_RECORD, "step-4", "step-6"]
     assert running.proc.poll() is None  # the running job's lock is still its own
     rc, lines = _cli(capsys, "ls", node)
-    assert rc == 0 and set(_rows(lines)) == {"run-a", "res-b", "garb-f"}
+    assert rc == 0 and set(_rows(lines)) == {"run-a", "res-b", "garb-f", "noid-e"}
     rc, lines = _cli(capsys, "clean", node)  # nothing left to remove
-    assert rc == 0 and lines[-1] == "total: removed 0 steps, 0 B; kept 3 of 3 jobs"
+    assert rc == 0 and lines[-1] == "total: removed 0 steps, 0 B; kept 4 of 4 jobs"
 
 
 def test_clean_job_selects_a_named_job_but_never_a_running_one(node, running, capsys):
@@ -258,7 +263,7 @@ def test_clean_job_selects_a_named_job_but_never_a_running_one(node, running, ca
     assert set(_clean_lines(lines, "would remove")) == set(STALE) | {"res-b", "garb-f"}
     assert f"kept run-a: still writing ({running.who})" in lines
     rc, lines = _cli(capsys, "clean", node, "--job", "res-b")
-    assert rc == 0 and _left(node) == {"job-run-a", "job-garb-f"}
+    assert rc == 0 and _left(node) == {"job-run-a", "job-garb-f", "job-noid-e"}
     rc, lines = _cli(capsys, "clean", node, "--job", "nope")
     assert rc == 2 and lines == [f"error: no job nope in {node}"]
 
@@ -273,6 +278,12 @@ def test_clean_older_than_selects_idle_jobs_by_their_newest_file(node, running, 
     assert f"kept run-a: still writing ({running.who})" in lines
     rc, lines = _cli(capsys, "clean", node, "--older-than", "1", "--dry-run")
     assert set(_clean_lines(lines, "would remove")) == set(STALE) | {"res-b", "garb-f"}
+
+
+def test_legacy_steps_written_to_within_the_hour_are_kept(node, capsys):
+    (node / "step-200" / "rank-00000.data").write_bytes(b"y")  # an older plugin's job, now
+    rc, lines = _cli(capsys, "clean", node, "--dry-run")
+    assert "kept (no identity): legacy: no job identity, written to within the hour (kept)" in lines
 
 
 def test_clean_skips_a_job_that_took_its_lock_after_the_listing(node, capsys):
@@ -310,4 +321,4 @@ def test_ls_and_clean_import_no_torch(node):
             "assert main(['clean', local, '--dry-run']) == 0\n"
             "assert main(['clean', local]) == 0\n")
     run_without_torch(code)
-    assert _left(node) == {"job-run-a", "job-res-b", "job-garb-f"}
+    assert _left(node) == {"job-run-a", "job-res-b", "job-garb-f", "job-noid-e"}

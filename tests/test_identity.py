@@ -28,7 +28,7 @@ def test_first_start_makes_an_identity_and_later_starts_keep_it(tmp_path):
     identity.commit(est)
     raw = json.loads((dump / "titan_ckpt_plus" / "job.json").read_text())
     assert raw == {"format": 1, "job_id": est.identity.job_id, "dump_folder": os.path.realpath(dump),
-                   "created_at": 1.8e9, "adopted_from": ""}
+                   "created_at": 1.8e9, "adopted_from": "", "dump_inode": os.stat(dump).st_ino}
     again = identity.establish(str(dump))
     assert again.identity == est.identity and not again.write and not again.warnings
     assert identity.establish(str(tmp_path / "other")).identity.job_id != est.identity.job_id
@@ -57,7 +57,7 @@ def test_an_unusable_identity_file_is_ignored_with_one_warning_naming_it(tmp_pat
     assert aside.read_bytes() == content  # kept for the user, never overwritten
 
 
-def test_an_identity_copied_from_another_dump_folder_or_left_by_a_move_is_not_this_jobs(tmp_path):
+def test_a_copied_dump_folder_is_a_new_job_and_a_renamed_one_the_same(tmp_path):
     original = _first_start(tmp_path / "a")
     copy = tmp_path / "b"
     (copy / "titan_ckpt_plus").mkdir(parents=True)
@@ -65,10 +65,25 @@ def test_an_identity_copied_from_another_dump_folder_or_left_by_a_move_is_not_th
     est = identity.establish(str(copy))
     assert est.identity.job_id != original.job_id
     assert f"job {original.job_id}'s" in est.warnings[0] and "another job's dump folder" in est.warnings[0]
-    (tmp_path / "a").rename(tmp_path / "moved")
-    est = identity.establish(str(tmp_path / "moved"))
-    assert est.identity.job_id != original.job_id and "no longer exists" in est.warnings[0]
     assert "adopt_job" in est.warnings[0]
+    # the copy's original gone: still not this folder (another inode), still a new job
+    (tmp_path / "a").rename(tmp_path / "elsewhere")
+    est = identity.establish(str(copy))
+    assert est.identity.job_id != original.job_id and "no longer exists" in est.warnings[0]
+    # the original itself renamed (or seen through another mount): the same job, new path
+    est = identity.establish(str(tmp_path / "elsewhere"))
+    assert est.identity.job_id == original.job_id and not est.warnings and est.write
+    assert "this is that folder, now" in est.notes[0]
+    identity.commit(est)
+    again = identity.establish(str(tmp_path / "elsewhere"))
+    assert again.identity.dump_folder == os.path.realpath(tmp_path / "elsewhere") and not again.write
+
+
+def test_an_identity_file_that_cannot_be_read_now_is_not_replaced(tmp_path):
+    path = tmp_path / "dump" / "titan_ckpt_plus" / "job.json"
+    path.mkdir(parents=True)  # reading it fails with an OSError, as an I/O error would
+    with pytest.raises(OSError):
+        identity.establish(str(tmp_path / "dump"))
 
 
 def test_adopt_job_takes_an_identity_on_purpose_and_is_idempotent(tmp_path):
@@ -98,8 +113,10 @@ def test_a_second_process_of_one_job_on_a_node_is_refused_while_the_first_holds_
     try:
         assert holder.stdout.readline().strip() == "held"
         assert lock_holder(folder).startswith(f"pid {holder.pid} on ")
-        lock, why = claim_job_dir(folder, {"job_id": "x", "dump_folder": "/d"})
+        t0 = time.monotonic()
+        lock, why = claim_job_dir(folder, {"job_id": "x", "dump_folder": "/d"}, wait_s=0.3)
         assert lock is None and f"pid {holder.pid}" in why and "{node_rank}" in why
+        assert time.monotonic() - t0 >= 0.3  # it waited for the holder to let go first
     finally:
         holder.kill()
         holder.wait()
@@ -131,3 +148,20 @@ def test_a_full_disk_message_names_other_jobs_leftovers(tmp_path):
     shutil.rmtree(other)
     shutil.rmtree(node / "step-2")
     assert "no other job's steps there" in others_note(str(node), "mine")
+
+
+def test_pfs_retention_keeps_another_jobs_steps(tmp_path):
+    """Two jobs pointed at one absolute [checkpoint] folder, both running: each one's
+    retention deletes only its own (or unattributed, stock) steps."""
+    from titan_ckpt_plus.tiers.pfs import MANIFEST, PfsTier
+
+    for step, owner in ((2, "mine"), (4, "theirs"), (6, "mine"), (8, None), (10, "theirs"), (12, "mine")):
+        d = tmp_path / f"step-{step}"
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"m")
+        if owner:
+            (d / MANIFEST).write_text(json.dumps({"step": step, "job_id": owner, "files": {}}))
+    tier = PfsTier(str(tmp_path), rank=0, world_size=1, keep_latest_k=2, job_id="mine")
+    assert tier.owners() == {2: "mine", 4: "theirs", 6: "mine", 8: None, 10: "theirs", 12: "mine"}
+    assert tier.purge() == [2, 6]  # own steps 2, 6, 8 (stock), 12: the newest two are kept
+    assert tier.steps() == [4, 8, 10, 12]

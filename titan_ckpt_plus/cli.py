@@ -271,9 +271,11 @@ on the node shares), list one row per job there: its dump folder (from its
 JOB.json), steps, size, age of its newest file, whether a process holds its
 lock (still writing) and its status: running; resumable (its dump folder still
 holds its identity); stale: no job will load its steps again (dump folder
-missing, or now another job's or none's); legacy: steps written before job
-identities, which no job loads; unknown: JOB.json or the dump folder cannot be
-read from here. `titan-ckpt clean` removes stale steps on request."""
+missing, or now another job's); orphaned: its dump folder has no usable
+identity, so only adopt_job there would continue it; legacy: steps written
+before job identities, which no job loads; unknown: JOB.json or the dump
+folder cannot be read from here. `titan-ckpt clean` removes stale steps on
+request."""
     p.epilog = """\
 examples:
   titan-ckpt ls outputs/run1
@@ -319,15 +321,16 @@ deletes another job's steps (nor its own after it ends), so they stay until
 this command removes them; it only runs when asked.
 
 Removed by default: each job whose status in `titan-ckpt ls LOCAL_FOLDER` is
-stale (its dump folder is missing, or now holds another job's identity or
-none, so no job will load its steps again), and the legacy steps directly in
-the folder (written before job identities, never loaded). --job also removes
-the jobs named, --older-than every idle job whose newest file is that old.
+stale (its dump folder is missing, or now holds another job's identity, so no
+job will load its steps again), and the legacy steps directly in the folder
+(written before job identities, never loaded) once nothing has written there
+for an hour. Orphaned jobs (a dump folder without a usable identity: adopt_job
+could still continue them) are kept. --job also removes the jobs named,
+--older-than every idle job whose newest file is that old.
 
 A job whose lock is held (still writing) is never removed. Each job folder is
-removed while this command holds its lock, so no job starts writing in it
-meanwhile (one starting at that moment is refused, naming this process; start
-it again). Status is judged from this host: a dump folder counts as missing
+moved away while this command holds its lock, then deleted, so no job writes
+into it meanwhile (one starting at that moment waits, then makes a new one). Status is judged from this host: a dump folder counts as missing
 only when the folder above it is visible (on a PFS not mounted here it is
 "unknown" and kept), so run it where the jobs' dump folders are visible, and
 --dry-run first.
@@ -366,16 +369,24 @@ def _remove(job) -> str:
         except OSError as e:
             return f"not all removed ({e})"
         return ""
-    lock = JobLock(job.path)
+    lock, gone = JobLock(job.path), None
     try:
         who = lock.acquire()
         if who:
             return f"still writing ({who})"
-        shutil.rmtree(job.path)
+        # Moved away while locked: a job starting now finds its folder gone and makes
+        # a new one, never writing into this one as it is deleted.
+        gone = os.path.join(os.path.dirname(job.path),
+                            f".removing-{os.path.basename(job.path)}-{os.getpid()}")
+        os.rename(job.path, gone)
     except OSError as e:
-        return f"not all removed ({e})"
+        return f"not removed ({e})"
     finally:
         lock.release()
+    try:
+        shutil.rmtree(gone)
+    except OSError as e:
+        return f"not all removed ({e})"
     return ""
 
 

@@ -10,10 +10,13 @@ id, and recovery takes only steps that carry it. The node-local folder is shared
 every job scheduled on the node (`/local_nvme/ckpt/{node_rank}`), so each job works
 only in its own subfolder of it, `job-<id>/` (tiers/local.py).
 
-An identity is valid only in the dump folder it names: a copied dump folder is a new
-job (it must not write into the original's local subfolders), and a file that cannot
-be read is never guessed at. Either is ignored with one warning and the start gets a
-new identity; `[checkpoint] adopt_job` takes an existing one on purpose.
+An identity is valid only in the dump folder it names, or in that same folder renamed
+or seen through another mount (same inode): a copied dump folder is a new job (it must
+not write into the original's local subfolders), and a file whose content cannot be
+trusted is never guessed at. Either is ignored with one warning and the start gets a
+new identity; `[checkpoint] adopt_job` takes an existing one on purpose. A file that
+exists but cannot be read right now (an I/O or permission error) is not replaced: the
+start is refused, as a new identity would orphan the job's checkpoints.
 """
 
 import json
@@ -21,7 +24,7 @@ import os
 import re
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from titan_ckpt_plus.tiers import files
 
@@ -41,6 +44,7 @@ class JobIdentity:
     dump_folder: str  # real path
     created_at: float
     adopted_from: str = ""  # the id this dump folder had before adopt_job, if any
+    dump_inode: int = 0  # the dump folder's inode: the same folder renamed keeps it
 
     def to_json(self) -> dict:
         return dict(asdict(self), format=FORMAT)
@@ -78,26 +82,44 @@ def parse(raw: bytes) -> JobIdentity:
         raise IdentityError(f"invalid dump_folder {folder!r}")
     if not isinstance(created, (int, float)):
         raise IdentityError(f"invalid created_at {created!r}")
-    adopted = d.get("adopted_from", "")
-    return JobIdentity(job_id, folder, float(created), adopted if isinstance(adopted, str) else "")
+    adopted, inode = d.get("adopted_from", ""), d.get("dump_inode", 0)
+    return JobIdentity(job_id, folder, float(created), adopted if isinstance(adopted, str) else "",
+                       inode if isinstance(inode, int) else 0)
 
 
 def read(path: str) -> JobIdentity:
-    """FileNotFoundError if there is none; IdentityError if it cannot be used."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(1 << 16)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise IdentityError(f"unreadable ({e.strerror or e})") from None
+    """IdentityError if its content cannot be used; OSError (FileNotFoundError if
+    there is none) if it cannot be read."""
+    with open(path, "rb") as f:
+        raw = f.read(1 << 16)
     return parse(raw)
+
+
+def _inode(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return 0
+
+
+def _whose(found: JobIdentity, here: str) -> str:
+    """"" if `found` is this dump folder's, "moved" if it is this folder under another
+    name, else why it is another's."""
+    if os.path.realpath(found.dump_folder) == here:
+        return ""
+    if found.dump_inode and found.dump_inode == _inode(here) and (
+            not os.path.isdir(found.dump_folder) or os.path.samefile(found.dump_folder, here)):
+        return "moved"
+    if os.path.isdir(found.dump_folder):
+        return "is another job's dump folder (a copy is a new job)"
+    return "no longer exists, and this folder is not it renamed (a copy is a new job)"
 
 
 @dataclass
 class Established:
     """The identity one start runs under, decided on one rank; written by `commit()`
-    only once the start's checks pass, so a refused start changes nothing."""
+    only once the identity's own checks pass (the PFS folder holds no other job's
+    steps), so a start refused for its identity changes nothing."""
 
     identity: JobIdentity
     write: bool = False  # new, adopted, or replacing an ignored file
@@ -107,21 +129,24 @@ class Established:
 
 
 def establish(dump_folder: str, adopt: str = "", now: float | None = None) -> Established:
+    """Raises OSError if the identity file exists but cannot be read."""
     now = time.time() if now is None else now
     path, here = job_file(dump_folder), os.path.realpath(dump_folder)
-    found, bad = None, ""
+    found, bad, moved = None, "", ""
     try:
         found = read(path)
     except FileNotFoundError:
         pass
     except IdentityError as e:
         bad = f"{path}: {e}"
-    if found is not None and os.path.realpath(found.dump_folder) != here:
-        whose = ("is another job's dump folder (a copy is a new job)"
-                 if os.path.isdir(found.dump_folder) else "no longer exists (moved?)")
+    whose = _whose(found, here) if found is not None else ""
+    if whose == "moved":
+        moved = f"{path} names {found.dump_folder}; this is that folder, now {here}: same job"
+        found = JobIdentity(found.job_id, here, found.created_at, found.adopted_from, found.dump_inode)
+    elif whose:
         bad = f"{path} is job {found.job_id}'s, whose dump folder {found.dump_folder} {whose}"
         found = None
-    est = Established(found) if found is not None else Established(
+    est = Established(found, write=bool(moved), notes=[moved] if moved else []) if found else Established(
         JobIdentity(new_job_id(now), here, now), write=True, set_aside=path if bad else "")
     if bad:
         est.warnings.append(f"ignored {bad}; this start has a new job identity, "
@@ -140,10 +165,12 @@ def establish(dump_folder: str, adopt: str = "", now: float | None = None) -> Es
 
 
 def commit(est: Established) -> None:
+    """Write the identity (with the dump folder's inode, now that the folder exists)."""
     if not est.write:
         return
     path = job_file(est.identity.dump_folder)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if est.set_aside and os.path.exists(est.set_aside):
         os.replace(est.set_aside, f"{est.set_aside}.ignored-{int(time.time())}")
+    est.identity = replace(est.identity, dump_inode=_inode(est.identity.dump_folder))
     files.atomic_write_json(path, est.identity.to_json())

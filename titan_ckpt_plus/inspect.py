@@ -25,7 +25,7 @@ from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, No
 
 PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
-PLUGIN_DIR = "titan_ckpt_plus"
+PLUGIN_DIR = identity.PLUGIN_DIR
 EVENTS = "events.jsonl"
 LOCAL_ROOTS = "local_roots.json"
 _PART = re.compile(r"^rank-(\d+)\.(json|data|layout)$")
@@ -293,14 +293,22 @@ def _short_problem(job: NodeJob) -> str:
     return job.problem.replace(os.path.join(job.path, JOB_RECORD), JOB_RECORD)
 
 
+LEGACY_IDLE_S = 3600.0
+
+
 def job_status(job: NodeJob) -> tuple[str, bool]:
     """What a job's steps in a node folder are now, and whether they are stale: no
     job will ever load them. Only the job whose identity its dump folder holds loads
     them (identity.establish gives a start in a missing, copied or garbled dump
-    folder a new id), so a dump folder that is gone, or now names another job or
-    none, makes them stale. What cannot be read here (JOB.json, a dump folder this
-    user cannot see into) is "unknown", never stale."""
+    folder a new id), so a dump folder that is gone, or now names another job, makes
+    them stale. A dump folder whose identity is missing or unusable leaves them
+    "orphaned": adopt_job there would continue them, so they are kept. What cannot be
+    read here (JOB.json, a dump folder this user cannot see into) is "unknown", and
+    legacy steps written to within the hour may be an older plugin's running job:
+    neither is stale."""
     if job.job_id is None:
+        if time.time() - job.newest < LEGACY_IDLE_S:  # an older plugin may still write there
+            return "legacy: no job identity, written to within the hour (kept)", False
         return "legacy: no job identity, never loaded", True
     if job.writing:
         return "running", False
@@ -316,16 +324,13 @@ def job_status(job: NodeJob) -> tuple[str, bool]:
     except OSError as e:
         return f"unknown: dump folder unreachable ({e.strerror or e})", False
     try:
-        with open(identity.job_file(dump), "rb") as f:
-            raw = f.read(1 << 16)
+        found = identity.read(identity.job_file(dump)).job_id
     except FileNotFoundError:
-        return "stale: dump folder has no job identity", True
+        return f"orphaned: its dump folder has no job identity (adopt_job = '{job.job_id}' there continues it)", False
+    except identity.IdentityError:
+        return f"orphaned: its dump folder's identity is unusable (adopt_job = '{job.job_id}' there continues it)", False
     except OSError as e:
         return f"unknown: dump folder identity unreadable ({e.strerror or e})", False
-    try:
-        found = identity.parse(raw).job_id
-    except identity.IdentityError:
-        return "stale: dump folder identity unreadable", True
     if found != job.job_id:
         return f"stale: dump folder is now job {found}", True
     return "resumable", False

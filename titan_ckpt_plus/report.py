@@ -243,7 +243,8 @@ def render(run_dir: str, out_dir: str | None = None) -> Report:
     for i, ax in enumerate(axes):
         _mark_events(ax, rep, f"interval[{i}]", marks, "time", t0, scale)
     log = lambda ax: ", log scale" if ax.get_yscale() == "log" else ""  # noqa: E731
-    mode = "adaptive" if any(e.get("adaptive") for e in iv) else "fixed"
+    # runs from before fixed intervals were recorded wrote these records only when adaptive
+    mode = "adaptive" if any(e.get("adaptive", True) for e in iv) else "fixed"
     axes[0].set(title=f"Checkpoint interval per tier ({mode}, solid) vs Young's (dashed) - {title_run}",
                 ylabel=f"interval (steps{log(axes[0])})")
     axes[1].set(title="The interval in use vs Young's tau, in seconds", ylabel=f"seconds{log(axes[1])}")

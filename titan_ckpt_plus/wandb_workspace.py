@@ -35,7 +35,7 @@ PANELS = (
     Panel("Drain", "newest committed step, per tier", ("local/committed_step", "pfs/committed_step"), "step"),
     Panel("Interval", "local interval vs Young's tau", ("interval/local_s", "interval/local_tau_s"), "s"),
     Panel("Interval", "PFS interval vs Young's tau", ("interval/pfs_s", "interval/pfs_tau_s"), "s"),
-    Panel("Interval", "expected waste: configured vs optimal interval",
+    Panel("Interval", "expected waste: interval in use vs Young's (PFS saving at its drain time)",
           ("interval/expected_waste_local", "interval/expected_waste_local_optimal",
            "interval/expected_waste_pfs", "interval/expected_waste_pfs_optimal"), "fraction of time"),
     Panel("Interval", "MTBF estimates", ("interval/mtbf_any_h", "interval/mtbf_unrecoverable_h"), "h"),

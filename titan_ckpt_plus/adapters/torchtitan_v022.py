@@ -77,7 +77,7 @@ class TieredCheckpointManager(_StockManager):
             pin=torch.cuda.is_available(),
             replication_backend=checkpoint_config.replication_backend,
         )
-        events_path = os.path.join(base_folder, "titan_ckpt_plus", "events.jsonl")
+        events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
         settings.node_ranks = self._survey_nodes(base_folder, node_folder, settings)
         placement = self._placement(checkpoint_config, world)
@@ -85,7 +85,7 @@ class TieredCheckpointManager(_StockManager):
         self._optimizer_state = self._optimizer_state_cache()
         self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement, policy,
                                          adaptive=checkpoint_config.adaptive_interval)
-        ledger_path = os.path.join(base_folder, "titan_ckpt_plus", "ledger.jsonl")
+        ledger_path = os.path.join(base_folder, identity.PLUGIN_DIR, "ledger.jsonl")
         self.ledger = FailureLedger(ledger_path) if rank == 0 else None
         self.incarnation = f"{int(time.time())}-{os.getpid()}"
         trainer = states.get(tt_checkpoint.TRAIN_STATE)
@@ -152,17 +152,22 @@ class TieredCheckpointManager(_StockManager):
         identity.py). A PFS folder holding another job's steps is refused here, before
         anything is written: loading them would be another job's state, and this
         job's saves and retention would mix with them."""
-        box: list = [None]
+        box: list = [(None, [], [], "")]
         if dist.get_rank() == 0:
-            est = identity.establish(base_folder, adopt)
-            refusal = self._foreign_pfs_steps(est.identity.job_id, base_folder)
-            try:
+            path = identity.job_file(base_folder)
+            try:  # whatever fails, every rank must hear of it, or the others would hang
+                est = identity.establish(base_folder, adopt)
+                refusal = self._foreign_pfs_steps(est.identity.job_id, base_folder)
                 if not refusal:
                     identity.commit(est)
-            except OSError as e:  # every rank must hear of it, or the others would hang
-                refusal = (f"cannot write the job identity {identity.job_file(base_folder)} ({e}). "
-                           "Fix: make [job] dump_folder writable")
-            box = [(est.identity, est.warnings, est.notes, refusal)]
+                box = [(est.identity, est.warnings, est.notes, refusal)]
+            except OSError as e:
+                box = [(None, [], [], f"cannot read or write the job identity {path} or the PFS folder "
+                        f"{self.folder} ({e}). It is not replaced: a new identity would orphan this "
+                        "job's checkpoints. Fix: check that [job] dump_folder is readable and "
+                        "writable from rank 0's node, then start again")]
+            except Exception as e:
+                box = [(None, [], [], f"establishing the job identity {path} failed: {e!r}")]
         dist.broadcast_object_list(box, src=0)
         job, warnings, notes, refusal = box[0]
         for w in warnings:
@@ -176,7 +181,8 @@ class TieredCheckpointManager(_StockManager):
     def _foreign_pfs_steps(self, job_id: str, base_folder: str) -> str:
         """"" or the refusal: which steps of `self.folder` another job wrote, and the fixes."""
         owners = PfsTier(self.folder, 0, 1, 0).owners()
-        other = {s: o for s, o in owners.items() if o not in (None, job_id)}
+        # "?": an unreadable manifest, which recovery's checks skip; not another job's
+        other = {s: o for s, o in owners.items() if o not in (None, "?", job_id)}
         if not other:
             return ""
         jobs = sorted(set(other.values()))
@@ -213,9 +219,11 @@ class TieredCheckpointManager(_StockManager):
         if any(w[2] for w in where):
             raise config.ConfigError("; ".join(w[2] for w in where if w[2]))
         if dist.get_rank() == 0:
-            path = os.path.join(base_folder, "titan_ckpt_plus", "local_roots.json")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            atomic_write_json(path, sorted({w[1] for w in where}))
+            path = os.path.join(base_folder, identity.PLUGIN_DIR, "local_roots.json")
+            try:  # for the tools only: not worth stopping the job (or hanging the others)
+                atomic_write_json(path, sorted({w[1] for w in where}))
+            except OSError as e:
+                logger.warning(f"[titan_ckpt_plus] could not write {path}: {e!r}")
             for host, root, _, found in where:
                 if found:
                     logger.warning(

@@ -302,21 +302,27 @@ def with_overrides(base: Cluster, **overrides) -> Cluster:
     return replace(base, **given)
 
 
+def _toml():
+    """tomllib (Python 3.11+), or tomli, its backport, on 3.10."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        import tomli as tomllib
+    return tomllib
+
+
 def load_cluster(path: str) -> Cluster:
     """A cluster from a JSON or TOML file: the fields of :class:`Cluster` at the
     top level or under ``[cluster]``; ``base = "<preset>"`` starts from a preset."""
     with open(path, "rb") as f:
         raw = f.read()
+    tomllib = _toml()
     if path.endswith(".toml"):
-        import tomllib
-
         data = tomllib.loads(raw.decode("utf-8"))
     else:
         try:
             data = json.loads(raw)
         except ValueError:
-            import tomllib
-
             try:
                 data = tomllib.loads(raw.decode("utf-8"))
             except (ValueError, UnicodeDecodeError) as e:

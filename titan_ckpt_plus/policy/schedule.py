@@ -119,7 +119,7 @@ class TierAssessment:
 def assess(steps: int, decision: Decision, cost_s: float, mtbf_s: float,
            step_time_s: float) -> TierAssessment:
     """`cost_s`: what one save costs the tier (delta; the drain's write for the PFS)."""
-    seconds = steps * step_time_s
+    seconds = steps * step_time_s if step_time_s > 0 else None  # no step timed yet
 
     def waste(tau: float | None) -> float | None:
         if not cost_s or not tau or math.isinf(tau) or math.isinf(mtbf_s):

@@ -53,43 +53,76 @@ class JobLock:
     node (two incarnations at once, or two nodes given one folder) is refused."""
 
     def __init__(self, folder: str) -> None:
+        self.folder = folder
         self.path = os.path.join(folder, LOCK)
         self._fd: int | None = None
+        self._fork_hook = False
 
-    def acquire(self) -> str:
-        """"" once held; else who holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            who = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+    def acquire(self, wait_s: float = 0.0) -> str:
+        """"" once held; else who holds it. Waits up to `wait_s` for a holder to let
+        go: a killed incarnation's process can take a moment to exit, and a tool's
+        probe holds the lock for microseconds. A folder removed meanwhile (by
+        `titan-ckpt clean`, which holds the lock while it moves the folder away) is
+        made again rather than locked in its old place."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            os.makedirs(self.folder, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                who = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                if time.monotonic() >= deadline:
+                    return who
+                time.sleep(0.05)
+                continue
+            if _same_file(self.path, fd):
+                break
             os.close(fd)
-            return who
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
         self._fd = fd
+        if not self._fork_hook:  # a forked child (a dataloader worker) must not keep it
+            os.register_at_fork(after_in_child=self._forget)
+            self._fork_hook = True
         return ""
 
-    def release(self) -> None:
+    def _forget(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            os.close(self._fd)  # the child's copy only: the parent keeps the lock
             self._fd = None
 
+    def release(self) -> None:
+        self._forget()
 
-def claim_job_dir(folder: str, record: dict) -> tuple[JobLock | None, str]:
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def claim_job_dir(folder: str, record: dict, wait_s: float = 30.0) -> tuple[JobLock | None, str]:
     """The node's first rank, at start: make the job's subfolder, hold its lock and
     write JOB.json (who the job is, where its dump folder is, for tools and the other
-    jobs' logs). Returns (the lock, "") or (None, why this process cannot use it)."""
-    os.makedirs(folder, exist_ok=True)
+    jobs' logs). Returns (the lock, "") or (None, why this process cannot use it):
+    never raises, as the other ranks wait for the answer in a collective."""
     lock = JobLock(folder)
-    who = lock.acquire()
-    if who:
-        return None, (f"{folder} is in use by {who}, another process of this job: two "
-                      "incarnations of one job, or two nodes given one local folder, cannot "
-                      "share it. Fix: stop the other one, or put {node_rank} in "
-                      "[checkpoint] local_folder so every node has its own")
-    files.atomic_write_json(os.path.join(folder, JOB_RECORD), record)
-    return lock, ""
+    try:
+        who = lock.acquire(wait_s)
+        if not who:
+            files.atomic_write_json(os.path.join(folder, JOB_RECORD), record)
+            return lock, ""
+    except OSError as e:
+        lock.release()
+        return None, (f"cannot use the local folder {folder} ({e}). Fix: [checkpoint] "
+                      "local_folder on a writable node-local disk")
+    return None, (f"{folder} is in use by {who}, another process of this job: two "
+                  "incarnations of one job, or two nodes given one local folder, cannot "
+                  "share it. Fix: stop the other one, or put {node_rank} in "
+                  "[checkpoint] local_folder so every node has its own")
 
 
 def lock_holder(folder: str) -> str:

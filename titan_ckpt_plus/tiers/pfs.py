@@ -90,11 +90,17 @@ class PfsTier:
     def save(self, step: int, state: dict, pg, before_write=None) -> int:
         """Collective over `pg`: dcp.save, then the manifest. Returns this rank's bytes."""
         path = self.step_dir(step)
+        why = ""
         if self.rank == 0 and os.path.isdir(path):
-            # The same step saved again after a restart: never mix two incarnations'
-            # files under one .metadata.
-            shutil.rmtree(path)
-        dist.barrier(group=pg)
+            if self._foreign(step):  # another job writes to this folder: never touch its step
+                why = f"{path} exists and belongs to job {self._owner(step)}; not overwritten"
+            else:
+                # The same step saved again after a restart: never mix two incarnations'
+                # files under one .metadata.
+                shutil.rmtree(path)
+        why = agree(why, pg)  # also the barrier: no rank writes before the old files are gone
+        if why:
+            raise files.CorruptCheckpoint(why)
         writer = HookedWriter(path, before_write) if before_write else None
         dcp.save(state, checkpoint_id=path, storage_writer=writer, process_group=pg)
         mine = {}
@@ -131,18 +137,23 @@ class PfsTier:
         return not reason, reason
 
     def owners(self) -> dict[int, str | None]:
-        """Complete step -> the job id its manifest records (None: stock torchtitan's
-        step, or written before job identities; "?" if the manifest is unreadable,
-        which verify() will reject)."""
-        out = {}
-        for s in self.steps():
-            try:
-                out[s] = files.read_json(os.path.join(self.step_dir(s), MANIFEST)).get("job_id")
-            except FileNotFoundError:
-                out[s] = None
-            except (OSError, ValueError, AttributeError):
-                out[s] = "?"
-        return out
+        """Complete step -> the job id its manifest records (see _owner)."""
+        return {s: self._owner(s) for s in self.steps()}
+
+    def _owner(self, step: int) -> str | None:
+        """The job id a step's manifest records; None: none (stock torchtitan's step,
+        one written before job identities, or one whose manifest is not written yet);
+        "?": an unreadable manifest, which verify() rejects."""
+        try:
+            return files.read_json(os.path.join(self.step_dir(step), MANIFEST)).get("job_id")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, AttributeError):
+            return "?"
+
+    def _foreign(self, step: int) -> bool:
+        """Another job's step, or one that cannot be told: never overwritten or purged."""
+        return self._owner(step) not in (None, self.job_id)
 
     def load(self, step: int, state: dict) -> int:
         """dcp.load into `state` in place (resharding as needed); returns bytes read."""
@@ -151,10 +162,12 @@ class PfsTier:
         return reader.bytes_read
 
     def purge(self) -> list[int]:
-        """Rank 0 keeps the newest `keep_latest_k` complete steps (0 keeps all)."""
+        """Rank 0 keeps the newest `keep_latest_k` complete steps of this job (0 keeps
+        all); another job's steps are never deleted."""
         if self.rank != 0 or self.keep_latest_k <= 0:
             return []
-        old = self.steps()[: -self.keep_latest_k]
+        mine = [s for s in self.steps() if not self._foreign(s)]
+        old = mine[: -self.keep_latest_k]
         for s in old:
             shutil.rmtree(self.step_dir(s), ignore_errors=True)
         return old
