@@ -1,6 +1,6 @@
 """The fault matrix: the tiny CPU job through every fault the plugin promises to survive.
 
-    .venv/bin/python scripts/chaos.py              # every scenario (about 15 min on 2 cores)
+    .venv/bin/python scripts/chaos.py              # every scenario (about 6 min on 2 cores)
     .venv/bin/python scripts/chaos.py --ci         # the subset CI runs (tests/test_chaos.py)
     .venv/bin/python scripts/chaos.py sigterm disk-full    # chosen scenarios
 

@@ -1,7 +1,7 @@
 """The CI subset of the fault matrix (scripts/chaos.py): each scenario a test.
 
 The full matrix runs with `.venv/bin/python scripts/chaos.py`; here only the scenarios
-that no other e2e test covers (about 8 minutes on 2 cores).
+that no other e2e test covers (about 4 minutes on 2 cores).
 """
 
 import sys
