@@ -62,7 +62,7 @@ def test_garbled_identity_beside_pfs_steps_is_refused_then_adopted(reference, st
     assert json.loads(ident.read_text())["job_id"] == old_id
 
 
-def test_identity_of_a_moved_dump_folder_is_ignored_and_nothing_is_loaded(reference, stopped, tmp_path):
+def test_identity_naming_another_missing_folder_is_ignored_and_nothing_is_loaded(reference, stopped, tmp_path):
     work = copy_run(stopped, tmp_path / "w")
     old = job_dir(work)
     ident = work / "dump" / "titan_ckpt_plus" / "job.json"

@@ -227,18 +227,20 @@ class TieredCheckpointer:
     def _review_intervals(self, step: int, delta: float) -> None:
         """After every save, both tiers' intervals against the policy's choice for this
         save's numbers. Adaptive intervals take that choice, from the maxima over ranks
-        so every rank schedules the same steps; fixed ones stay, and rank 0 only
-        records Young's tau and the expected waste of the configured interval against
-        it (no collective), so a user sees how far a fixed interval is off."""
+        so every rank schedules the same steps. Fixed ones stay: rank 0 only records
+        Young's tau and the expected waste of the configured interval against it, on
+        the event log's background thread, so the training step does no more work."""
         mine = [delta, self._step_time, self._last_write["local"], self._last_write["pfs"],
                 time.monotonic() - self._started]
-        if self.schedule.adaptive:
-            t = torch.tensor(mine, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)
-            mine = t.tolist()
-        elif self.s.rank != 0:
+        if not self.schedule.adaptive:
+            if self.s.rank == 0:
+                self.events.submit(self._judge_intervals, step, Measurements(*mine))
             return
-        m = Measurements(*mine)
+        t = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)
+        self._judge_intervals(step, Measurements(*t.tolist()))
+
+    def _judge_intervals(self, step: int, m: Measurements) -> None:
         local, pfs, mtbf = self.policy.update(m)
         if self.schedule.adaptive:
             self.schedule.local_interval, self.schedule.pfs_interval = local.steps, pfs.steps
@@ -246,9 +248,10 @@ class TieredCheckpointer:
                        f"({local.reason}), PFS {pfs.steps} steps ({pfs.reason}); MTBF any "
                        f"{mtbf['any'] / 3600:.3g} h, unrecoverable {mtbf['unrecoverable_local'] / 3600:.3g} h")
         record = {}
-        for tier, d, cost, mtbf_s in (("local", local, m.delta_local_s, mtbf["any"]),
-                                      ("pfs", pfs, m.write_pfs_s, mtbf["unrecoverable_local"])):
-            a = assess(getattr(self.schedule, f"{tier}_interval"), d, cost, mtbf_s, m.step_time_s)
+        for tier, steps, d, cost, mtbf_s in (
+                ("local", self.schedule.local_interval, local, m.delta_local_s, mtbf["any"]),
+                ("pfs", self.schedule.pfs_interval, pfs, m.write_pfs_s, mtbf["unrecoverable_local"])):
+            a = assess(steps, d, cost, mtbf_s, m.step_time_s)
             record.update({f"{tier}_steps": a.steps, f"{tier}_s": a.seconds, f"{tier}_tau_s": a.tau_s,
                            f"{tier}_optimal_steps": a.optimal_steps, f"{tier}_reason": d.reason,
                            f"{tier}_waste": a.waste, f"{tier}_optimal_waste": a.optimal_waste})

@@ -307,8 +307,9 @@ def _ls_node(args: argparse.Namespace) -> int:
         return 2
     jobs = node_jobs(os.path.abspath(args.path))
     print(f"# node folder {os.path.abspath(args.path)}: {len(jobs)} jobs")
-    print("\n".join(jobs_table(jobs)))
-    if any(job_status(j)[1] for j in jobs):
+    statuses = [job_status(j) for j in jobs]
+    print("\n".join(jobs_table(jobs, [status for status, _ in statuses])))
+    if any(stale for _, stale in statuses):
         print(f"# stale steps are never deleted by a job: titan-ckpt clean {args.path} --dry-run")
     return 0 if jobs else 1
 

@@ -128,32 +128,51 @@ class Established:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """Whose identity a dump folder holds now: the one a start there continues."""
+
+    found: JobIdentity | None  # None: a start there gets a new identity
+    bad: str = ""  # why the file there was not usable ("" if there is none, or it is)
+    moved: str = ""  # the folder was renamed (or is seen through another mount)
+
+
+def resolve(dump_folder: str) -> Resolved:
+    """Raises OSError if the identity file exists but cannot be read. Used by the
+    start (establish) and by `titan-ckpt ls`/`clean`, so both apply one rule."""
+    path, here = job_file(dump_folder), os.path.realpath(dump_folder)
+    try:
+        found = read(path)
+    except FileNotFoundError:
+        return Resolved(None)
+    except IdentityError as e:
+        return Resolved(None, bad=f"{path}: {e}")
+    whose = _whose(found, here)
+    if whose == "moved":
+        return Resolved(replace(found, dump_folder=here),
+                        moved=f"{path} names {found.dump_folder}; this is that folder, now {here}: same job")
+    if whose:
+        return Resolved(None, bad=f"{path} is job {found.job_id}'s, whose dump folder "
+                                  f"{found.dump_folder} {whose}")
+    return Resolved(found)
+
+
 def establish(dump_folder: str, adopt: str = "", now: float | None = None) -> Established:
     """Raises OSError if the identity file exists but cannot be read."""
     now = time.time() if now is None else now
     path, here = job_file(dump_folder), os.path.realpath(dump_folder)
-    found, bad, moved = None, "", ""
-    try:
-        found = read(path)
-    except FileNotFoundError:
-        pass
-    except IdentityError as e:
-        bad = f"{path}: {e}"
-    whose = _whose(found, here) if found is not None else ""
-    if whose == "moved":
-        moved = f"{path} names {found.dump_folder}; this is that folder, now {here}: same job"
-        found = JobIdentity(found.job_id, here, found.created_at, found.adopted_from, found.dump_inode)
-    elif whose:
-        bad = f"{path} is job {found.job_id}'s, whose dump folder {found.dump_folder} {whose}"
-        found = None
-    est = Established(found, write=bool(moved), notes=[moved] if moved else []) if found else Established(
-        JobIdentity(new_job_id(now), here, now), write=True, set_aside=path if bad else "")
-    if bad:
-        est.warnings.append(f"ignored {bad}; this start has a new job identity, "
+    r = resolve(dump_folder)
+    if r.found:
+        est = Established(r.found, write=bool(r.moved), notes=[r.moved] if r.moved else [])
+    else:
+        est = Established(JobIdentity(new_job_id(now), here, now), write=True,
+                          set_aside=path if r.bad else "")
+    if r.bad:
+        est.warnings.append(f"ignored {r.bad}; this start has a new job identity, "
                             f"{est.identity.job_id}, and loads none of that job's checkpoints. "
                             "To continue that job here on purpose: [checkpoint] adopt_job = '<its id>'")
     if adopt and est.identity.job_id != adopt:
-        before = "" if est.set_aside else (found.job_id if found else "")
+        before = r.found.job_id if r.found else ""
         est.identity = JobIdentity(adopt, here, now, adopted_from=before)
         est.write = True
         est.notes.append(f"adopt_job = {adopt!r}: this job ({here}) takes job {adopt}'s identity; "

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from titan_ckpt_plus import identity
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.files import human_bytes
-from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, NodeJob, node_jobs
+from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, NodeJob, node_jobs, tree_size
 
 PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
@@ -126,18 +126,6 @@ class StepInfo:
     replicas: int | None = 0  # None: cannot tell (see _replicas)
 
 
-def _dir_size_mtime(path: str) -> tuple[int, float]:
-    size, mtime = 0, 0.0
-    for name in os.listdir(path):
-        try:
-            st = os.stat(os.path.join(path, name))
-        except OSError:
-            continue
-        size += st.st_size
-        mtime = max(mtime, st.st_mtime)
-    return size, mtime
-
-
 def _replicas(commit: dict, manifests: list[dict], n_nodes: int | None) -> int | None:
     """Parts in a node folder held for ranks of other nodes (neighbor replication).
 
@@ -171,7 +159,7 @@ def local_step(root: str, step: int, path: str, n_nodes: int | None = None) -> S
                 manifests.append(files.read_json(os.path.join(path, n)))
             except (OSError, ValueError):
                 manifests.append({})
-    size, mtime = _dir_size_mtime(path)
+    size, mtime = tree_size(path)
     committed, commit = COMMIT in names, {}
     if committed:
         try:
@@ -193,7 +181,7 @@ def pfs_step(folder: str, step: int, path: str) -> StepInfo:
         state = "complete"
     else:
         state = "complete, stock (no manifest)"
-    size, mtime = _dir_size_mtime(path)
+    size, mtime = tree_size(path)
     shards = sum(1 for n in names if n.endswith(".distcp"))
     return StepInfo("pfs", folder, step, path, complete, state, shards, size, mtime, None)
 
@@ -324,15 +312,14 @@ def job_status(job: NodeJob) -> tuple[str, bool]:
     except OSError as e:
         return f"unknown: dump folder unreachable ({e.strerror or e})", False
     try:
-        found = identity.read(identity.job_file(dump)).job_id
-    except FileNotFoundError:
-        return f"orphaned: its dump folder has no job identity (adopt_job = '{job.job_id}' there continues it)", False
-    except identity.IdentityError:
-        return f"orphaned: its dump folder's identity is unusable (adopt_job = '{job.job_id}' there continues it)", False
+        r = identity.resolve(dump)  # the identity a start there would continue
     except OSError as e:
         return f"unknown: dump folder identity unreadable ({e.strerror or e})", False
-    if found != job.job_id:
-        return f"stale: dump folder is now job {found}", True
+    if r.found is None:
+        what = "'s identity is unusable" if r.bad else " has no job identity"
+        return f"orphaned: its dump folder{what} (adopt_job = '{job.job_id}' there continues it)", False
+    if r.found.job_id != job.job_id:
+        return f"stale: dump folder is now job {r.found.job_id}", True
     return "resumable", False
 
 
@@ -352,24 +339,25 @@ def _steps_cell(steps: list[int], show: int = 6) -> str:
     return f"{steps[0]},...,{','.join(map(str, steps[-3:]))} ({len(steps)} steps)"
 
 
-def job_rows(jobs: list[NodeJob], now: float | None = None) -> list[list[str]]:
+def job_rows(jobs: list[NodeJob], statuses: list[str], now: float | None = None) -> list[list[str]]:
+    """`statuses`: job_status(j)[0] of each job (it reads each one's dump folder)."""
     now = time.time() if now is None else now
     rows = []
-    for j in jobs:
+    for j, status in zip(jobs, statuses):
         dump = "-" if j.job_id is None else j.record.get("dump_folder") or (
             f"({_short_problem(j).split(' (')[0]})")  # the detail is in the status
         rows.append([j.job_id or "(no identity)", dump, _steps_cell(j.steps), human_bytes(j.size),
                      human_age(now - j.newest) if j.newest else "-",
-                     f"yes ({j.writing})" if j.writing else "no", job_status(j)[0]])
+                     f"yes ({j.writing})" if j.writing else "no", status])
     return rows
 
 
 JOBS_HEADER = ["job", "dump_folder", "steps", "size", "age", "writing", "status"]
 
 
-def jobs_table(jobs: list[NodeJob], now: float | None = None) -> list[str]:
+def jobs_table(jobs: list[NodeJob], statuses: list[str], now: float | None = None) -> list[str]:
     """The `ls` table of a node folder: one row per job."""
-    return _table(JOBS_HEADER, job_rows(jobs, now), {0, 1, 2, 5, 6})
+    return _table(JOBS_HEADER, job_rows(jobs, statuses, now), {0, 1, 2, 5, 6})
 
 
 # ---- verify ---------------------------------------------------------------

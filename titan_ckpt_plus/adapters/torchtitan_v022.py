@@ -180,9 +180,7 @@ class TieredCheckpointManager(_StockManager):
 
     def _foreign_pfs_steps(self, job_id: str, base_folder: str) -> str:
         """"" or the refusal: which steps of `self.folder` another job wrote, and the fixes."""
-        owners = PfsTier(self.folder, 0, 1, 0).owners()
-        # "?": an unreadable manifest, which recovery's checks skip; not another job's
-        other = {s: o for s, o in owners.items() if o not in (None, "?", job_id)}
+        other = PfsTier(self.folder, 0, 1, 0, job_id).other_jobs_steps()
         if not other:
             return ""
         jobs = sorted(set(other.values()))
@@ -213,28 +211,27 @@ class TieredCheckpointManager(_StockManager):
                 self.job.to_json(), host=socket.gethostname(), pid=os.getpid(), started_at=time.time()))
             others = [j for j in node_jobs(node_folder) if j.job_id != s.job_id]
         where: list = [None] * dist.get_world_size()
-        dist.all_gather_object(where, (socket.gethostname(), s.local_root, problem,
-                                       [(j.describe(), j.job_id, j.record.get("dump_folder"),
-                                         len(j.steps), j.size) for j in others]))
-        if any(w[2] for w in where):
-            raise config.ConfigError("; ".join(w[2] for w in where if w[2]))
+        dist.all_gather_object(where, {"host": socket.gethostname(), "root": s.local_root,
+                                       "problem": problem, "others": [j.summary() for j in others]})
+        problems = [w["problem"] for w in where if w["problem"]]
+        if problems:
+            raise config.ConfigError("; ".join(problems))
         if dist.get_rank() == 0:
             path = os.path.join(base_folder, identity.PLUGIN_DIR, "local_roots.json")
             try:  # for the tools only: not worth stopping the job (or hanging the others)
-                atomic_write_json(path, sorted({w[1] for w in where}))
+                atomic_write_json(path, sorted({w["root"] for w in where}))
             except OSError as e:
                 logger.warning(f"[titan_ckpt_plus] could not write {path}: {e!r}")
-            for host, root, _, found in where:
-                if found:
+            for w in where:
+                if w["others"]:
+                    folder = os.path.dirname(w["root"])
                     logger.warning(
-                        f"[titan_ckpt_plus] {host}:{os.path.dirname(root)} holds other jobs' local "
-                        f"steps, ignored (never loaded, never deleted by this job): "
-                        + "; ".join(f[0] for f in found))
-                    self.events.record("foreign_local_steps", host=host, folder=os.path.dirname(root),
-                                       jobs=[dict(zip(("job_id", "dump_folder", "steps", "bytes"), f[1:]))
-                                             for f in found])
-        me = (socket.gethostname(), s.local_root)
-        return [r for r, w in enumerate(where) if w[:2] == me]
+                        f"[titan_ckpt_plus] {w['host']}:{folder} holds other jobs' local steps, "
+                        "ignored (never loaded, never deleted by this job): "
+                        + "; ".join(j["text"] for j in w["others"]))
+                    self.events.record("foreign_local_steps", host=w["host"], folder=folder,
+                                       jobs=w["others"])
+        return [r for r, w in enumerate(where) if (w["host"], w["root"]) == (socket.gethostname(), s.local_root)]
 
     # ---- what is saved --------------------------------------------------------
 

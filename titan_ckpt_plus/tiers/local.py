@@ -71,7 +71,7 @@ class JobLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                who = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+                who = _holder(fd)
                 os.close(fd)
                 if time.monotonic() >= deadline:
                     return who
@@ -95,6 +95,11 @@ class JobLock:
 
     def release(self) -> None:
         self._forget()
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as its holder wrote into the lock file."""
+    return os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
 
 
 def _same_file(path: str, fd: int) -> bool:
@@ -136,7 +141,7 @@ def lock_holder(folder: str) -> str:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return ""
     except BlockingIOError:
-        return os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+        return _holder(fd)
     finally:
         os.close(fd)
 
@@ -163,8 +168,14 @@ class NodeJob:
         n = len(self.steps)
         return f"{who}: {n} step{'s' if n != 1 else ''}, {files.human_bytes(self.size)}"
 
+    def summary(self) -> dict:
+        """What the start-up log and its event say of it."""
+        return {"job_id": self.job_id, "dump_folder": self.record.get("dump_folder"),
+                "steps": len(self.steps), "bytes": self.size, "text": self.describe()}
 
-def _tree_size(path: str) -> tuple[int, float]:
+
+def tree_size(path: str) -> tuple[int, float]:
+    """(bytes, newest mtime) of every file under `path`."""
     size, newest = 0, 0.0
     for base, _, names in os.walk(path):
         for n in names:
@@ -176,7 +187,8 @@ def _tree_size(path: str) -> tuple[int, float]:
     return size, newest
 
 
-def _steps_in(folder: str) -> list[int]:
+def steps_in(folder: str) -> list[int]:
+    """The N of every step-N in `folder`, sorted ([] if it cannot be listed)."""
     try:
         return sorted(s for s in map(files.step_of, os.listdir(folder)) if s is not None)
     except OSError:
@@ -206,7 +218,7 @@ def node_jobs(local_folder: str) -> list[NodeJob]:
         return []
     legacy = [n for n in names if files.step_of(n) is not None]
     if legacy:
-        sizes = [_tree_size(os.path.join(local_folder, n)) for n in legacy]
+        sizes = [tree_size(os.path.join(local_folder, n)) for n in legacy]
         out.append(NodeJob(None, local_folder, {}, "", sorted(map(files.step_of, legacy)),
                            sum(s for s, _ in sizes), max(t for _, t in sizes), ""))
     for n in names:
@@ -214,8 +226,8 @@ def node_jobs(local_folder: str) -> list[NodeJob]:
         if not n.startswith(JOB_PREFIX) or not os.path.isdir(path):
             continue
         rec, problem = _record(path)
-        out.append(NodeJob(n[len(JOB_PREFIX):], path, rec, problem, _steps_in(path),
-                           *_tree_size(path), lock_holder(path)))
+        out.append(NodeJob(n[len(JOB_PREFIX):], path, rec, problem, steps_in(path),
+                           *tree_size(path), lock_holder(path)))
     return out
 
 
@@ -315,9 +327,7 @@ class LocalTier:
             time.sleep(0.001)
 
     def steps(self) -> list[int]:
-        if not os.path.isdir(self.root):
-            return []
-        return sorted(s for s in map(files.step_of, os.listdir(self.root)) if s is not None)
+        return steps_in(self.root)
 
     def committed_steps(self) -> list[int]:
         return [s for s in self.steps()

@@ -92,8 +92,9 @@ class PfsTier:
         path = self.step_dir(step)
         why = ""
         if self.rank == 0 and os.path.isdir(path):
-            if self._foreign(step):  # another job writes to this folder: never touch its step
-                why = f"{path} exists and belongs to job {self._owner(step)}; not overwritten"
+            owner = self._owner(step)
+            if owner not in (None, self.job_id):  # another job writes here: never touch its step
+                why = f"{path} exists and belongs to job {owner}; not overwritten"
             else:
                 # The same step saved again after a restart: never mix two incarnations'
                 # files under one .metadata.
@@ -139,6 +140,11 @@ class PfsTier:
     def owners(self) -> dict[int, str | None]:
         """Complete step -> the job id its manifest records (see _owner)."""
         return {s: self._owner(s) for s in self.steps()}
+
+    def other_jobs_steps(self) -> dict[int, str]:
+        """Complete steps whose manifest names another job. An unreadable one ("?")
+        is not counted: recovery's checks skip it, and retention keeps it."""
+        return {s: o for s, o in self.owners().items() if o not in (None, "?", self.job_id)}
 
     def _owner(self, step: int) -> str | None:
         """The job id a step's manifest records; None: none (stock torchtitan's step,
