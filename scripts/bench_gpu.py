@@ -203,7 +203,7 @@ def timed_run(base: Path, mode: str, model: dict, budget_s: float, timeout: int)
         proc = torchrun(work, f"--model.flavor={model['flavor']}", f"--training.seq_len={model['seq']}",
                         f"--training.local_batch_size={model['batch']}", "--training.steps=100000",
                         "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
-                        "--checkpoint.local_keep_latest_k=2", *MODES[mode], nproc=1, module="bench_gpu",
+                        "--checkpoint.local_keep_latest_k=2", *MODES[mode], nproc=1, module="bench_gpu", digests=False,
                         env={WORKER_ENV: json.dumps(plan)}, timeout=timeout)
         assert proc.returncode == 0, _tail(proc)
         return summarize(json.loads((work / "clock.json").read_text()), ckpt_events(work, "local_commit"),

@@ -11,7 +11,7 @@ stamp=.venv/.titan_ckpt_plus-installed
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing titan_ckpt_plus with the pinned versions of constraints.txt into .venv"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[test,hf]"
   echo "$want" > "$stamp"
 fi
 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 .venv/bin/python -m titan_ckpt_plus.demo_assets assets/demo

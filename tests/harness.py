@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from titan_ckpt_plus import digest  # noqa: E402
+from titan_ckpt_plus.digest import DIGEST_ENV  # noqa: E402
+
 CONFIG = ROOT / "tests" / "configs" / "tiny_tiered.toml"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 LAUNCH = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
@@ -16,15 +20,23 @@ LAUNCH = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch
 def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nnodes: int = 1,
              node_rank: int = 0, port: int = 0, timeout: int = 300, loss_log: str = "losses.jsonl",
              config: Path = CONFIG, env: dict | None = None,
-             local: Path | None = None, module: str = "torchtitan.train") -> subprocess.CompletedProcess:
+             local: Path | None = None, module: str = "torchtitan.train",
+             digests: bool = True) -> subprocess.CompletedProcess:
     """One torchrun invocation of the test job (`module`: the trainer) with its dump and
     local folders under `workdir` (the local folders under `local` instead, if given: jobs
-    sharing a node's disk); returns the finished process (stdout and stderr together)."""
+    sharing a node's disk); returns the finished process (stdout and stderr together).
+
+    `digests` (benchmarks turn it off: it costs a pass over the state per save) arms the
+    state-digest hook in workdir/digests and fails the run's caller if any rank's state
+    right after a load differs from that step's state when it was saved (at the same
+    world size; titan_ckpt_plus/digest.py)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=path,
                TITAN_CKPT_LOSS_LOG=str(workdir / loss_log), TITAN_CKPT_FAULT=fault,
                WANDB_MODE="offline", **(env or {}))
+    if digests:
+        env.setdefault(DIGEST_ENV, str(workdir / "digests"))
     if nnodes == 1:
         launch = ["--standalone"]
     else:
@@ -33,8 +45,12 @@ def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nn
     cmd = [*LAUNCH, *launch, "--nproc_per_node", str(nproc), "-m", module,
            "--job.config_file", str(config), "--job.dump_folder", str(workdir / "dump"),
            "--checkpoint.local_folder", str((local or workdir / "local") / "{node_rank}"), *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    if digests and os.path.isdir(env[DIGEST_ENV]):
+        bad = digest.mismatches(digest.read(env[DIGEST_ENV]))
+        assert not bad, f"state after a load differs from the saved state: {bad[:6]}"
+    return proc
 
 
 def run_without_torch(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -140,3 +156,10 @@ def flip_byte(path: Path, where: float = 0.5) -> None:
     raw = bytearray(path.read_bytes())
     raw[int(len(raw) * where)] ^= 0xFF
     path.write_bytes(bytes(raw))
+
+
+def pfs_step(work: Path, step: int) -> Path:
+    """Where a PFS step's full state is: full_state/step-N beside a last-step export."""
+    pfs = work / "dump" / "checkpoint"
+    full = pfs / "full_state" / f"step-{step}"
+    return full if (full / ".metadata").exists() else pfs / f"step-{step}"

@@ -35,7 +35,8 @@ def _cli(capsys, *argv) -> tuple[int, list[str]]:
 
 
 def _ls_rows(lines) -> dict[tuple[str, int], dict]:
-    """(tier, step) -> row as a dict of the header's columns."""
+    """(tier, step) -> row as a dict of the header's columns; a last step's full state
+    beside its export is tier "pfs-full"."""
     body = [line for line in lines if not line.startswith("#")]
     header = body[0].split()
     rows = {}
@@ -45,7 +46,8 @@ def _ls_rows(lines) -> dict[tuple[str, int], dict]:
         row = dict(zip(header[:4], cells[:4]))
         row.update(state=" ".join(cells[4:-5]), parts=cells[-5], size=" ".join(cells[-4:-2]),
                    age=cells[-2], replicas=cells[-1])
-        rows[(row["tier"], int(row["step"]))] = row
+        tier = "pfs-full" if row["folder"].endswith("/full_state") else row["tier"]
+        rows[(tier, int(row["step"]))] = row
     return rows
 
 
@@ -63,12 +65,15 @@ def test_ls_lists_committed_local_and_pfs_steps(run, capsys):
     rows = {k: r for k, r in rows.items() if r["committed"] == "yes"}
     assert sorted(s for t, s in rows if t == "local") == [8, 10, 12]
     assert sorted(s for t, s in rows if t == "pfs") == [4, 8, 12]
+    assert sorted(s for t, s in rows if t == "pfs-full") == [12]  # beside step 12's export
+    pfs = run / "dump" / "checkpoint"
     for (tier, step), row in rows.items():
         assert row["committed"] == "yes" and row["parts"] == "2"
         assert row["replicas"] == ("0" if tier == "local" else "-")  # one node: no replicas
-        assert row["folder"] == str(job_dir(run) if tier == "local" else run / "dump" / "checkpoint")
+        assert row["folder"] == str({"local": job_dir(run), "pfs": pfs, "pfs-full": pfs / "full_state"}[tier])
         assert row["size"].endswith("MiB")
     assert rows[("local", 12)]["state"] == "committed" and rows[("pfs", 4)]["state"] == "complete"
+    assert rows[("pfs", 12)]["state"] == "export (DCP, float32), not resumable"
 
 
 @e2e
@@ -77,7 +82,7 @@ def test_ls_finds_local_roots_from_explicit_args_without_the_record(run, tmp_pat
     (work / "dump" / "titan_ckpt_plus" / "local_roots.json").unlink()
     rc, lines = _cli(capsys, "ls", work / "dump")
     assert rc == 0 and any("no local roots known" in line for line in lines)
-    assert {t for t, _ in _ls_rows(lines)} == {"pfs"}
+    assert {t for t, _ in _ls_rows(lines)} == {"pfs", "pfs-full"}
     rc, lines = _cli(capsys, "ls", work / "dump", "--local-root", job_dir(work))
     assert sorted(s for (t, s), r in _ls_rows(lines).items() if t == "local" and r["committed"] == "yes") == [
         8, 10, 12]
@@ -135,11 +140,11 @@ def test_verify_passes_on_the_clean_run_for_every_kind_of_path(run, capsys):
     ok = [line for line in lines if line.startswith("ok ")]
     committed = [line for line in ok if line.split()[3] == "committed;"]
     assert len(committed) == 3 * 2  # 3 steps x 2 rank parts
-    assert len([line for line in ok if line.split()[1] == "pfs"]) == 3
+    assert len([line for line in ok if line.split()[1] == "pfs"]) == 4  # 4, 8, 12's export, 12's full state
     assert len(ok) == len(lines) - 2 and lines[-1].endswith(" 0 FAILED, 0 unverified, 0 torn")
     local, pfs = job_dir(run), run / "dump" / "checkpoint"
-    for path, n in ((local / "step-12", 2), (local, len(ok) - 3), (local.parent, len(ok) - 3),
-                    (pfs / "step-8", 1), (pfs, 3)):
+    for path, n in ((local / "step-12", 2), (local, len(ok) - 4), (local.parent, len(ok) - 4),
+                    (pfs / "step-8", 1), (pfs, 4)):
         rc, lines = _cli(capsys, "verify", path)
         assert rc == 0 and len(lines) == n + 1, lines
         assert all(line.startswith("ok ") for line in lines[:-1])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, flip_byte, job_dir, losses, torchrun
+from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, pfs_step, torchrun
 
 pytestmark = pytest.mark.e2e
 STEPS = 12
@@ -104,7 +104,7 @@ def test_step_torn_by_a_kill_is_never_loaded(reference, torn):
 
 def test_flipped_bytes_fall_back_to_an_older_valid_step(reference, torn):
     flip_byte(job_dir(torn) / "step-12" / "rank-00001.data")
-    flip_byte(torn / "dump" / "checkpoint" / "step-12" / "__1_0.distcp")
+    flip_byte(pfs_step(torn, 12) / "__1_0.distcp")
     proc = _ok(torchrun(torn, loss_log="run3.jsonl"))
     rec = _recovery(torn)
     assert (rec["tier"], rec["step"]) == ("local", 10)
@@ -117,7 +117,7 @@ def test_flipped_bytes_fall_back_to_an_older_valid_step(reference, torn):
 def test_changed_dp_degree_skips_local_and_reshards_from_pfs(torn):
     # The previous run saved step 12 again; corrupt its PFS copy so the fallback to an
     # older PFS step is exercised too.
-    flip_byte(torn / "dump" / "checkpoint" / "step-12" / "__0_0.distcp")
+    flip_byte(pfs_step(torn, 12) / "__0_0.distcp")
     proc = _ok(torchrun(torn, "--checkpoint.exclude_from_loading", "dataloader", nproc=1,
                         loss_log="run4.jsonl"))
     rec = _recovery(torn)
@@ -137,3 +137,13 @@ def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_pat
     # checked on a really full disk: scripts/chaos.py, disk-full.)
     assert [e["step"] for e in ckpt_events(tmp_path, "pfs_commit")] == [4, 12]
     assert losses(tmp_path) == losses(reference)  # a failed save does not touch training
+
+
+def test_local_steps_of_another_layout_and_no_pfs_step_refuse_to_start_over(reference, tmp_path):
+    work = copy_run(reference, tmp_path / "copy")
+    shutil.rmtree(work / "dump" / "checkpoint")  # nothing to reshard from
+    proc = torchrun(work, nproc=1, loss_log="run2.jsonl")
+    assert proc.returncode != 0
+    assert "refusing to load a corrupt one or to silently start over" in proc.stdout
+    assert "skipped local step 12" in proc.stdout
+    assert not losses(work, "run2.jsonl")  # not one step trained from scratch

@@ -36,6 +36,15 @@ from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
 log = __import__("logging").getLogger("titan_ckpt_plus")
 
 
+def describe(e: BaseException) -> str:
+    """repr(e); DCP's CheckpointException as each rank's error, without the frames."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return repr(e)
+    return "; ".join(f"rank {r}: {f[0] if isinstance(f, tuple) else f!r}"
+                     for r, f in sorted(failures.items()))
+
+
 @dataclass
 class TierSettings:
     local_root: str
@@ -52,6 +61,10 @@ class TierSettings:
     pin: bool = False
     replication_backend: str = "gloo"
     node_ranks: list = field(default_factory=list)  # ranks sharing this node folder
+    # False when the parameters change during backward (optimizer.early_step_in_backward):
+    # the copy then completes inside save(), so the staged state is the step boundary's.
+    overlap_copy: bool = True
+    last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
 
     @property
     def layout_tag(self) -> dict:
@@ -84,6 +97,7 @@ class _Job:
     memory: Any = None  # the staged bytes, kept only when the local write failed
     layout_bytes: bytes | None = None  # set once staged
     fingerprint: str = ""
+    beside_export: bool = False  # the PFS copy goes to full_state/step-N
 
 
 @dataclass
@@ -164,7 +178,8 @@ class TieredCheckpointer:
         t0 = time.monotonic()
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
         waited = time.monotonic() - t0
-        job, tensors = _Job(step, pfs_due, t0), None
+        job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
+        inline = last_step or not self.s.overlap_copy
         try:
             job.layout, tensors, job.specs = staging.plan_layout(self.capture())
             self.buffer.ensure(job.layout.total_bytes)
@@ -180,20 +195,22 @@ class TieredCheckpointer:
         else:
             # After capture: the copy waits for every kernel queued so far, the update too.
             self._pending_copy = copy = self.device.save_point()
-            if last_step:
-                self._copy(job, tensors, copy)  # flushed right below: nothing to overlap
+            if inline:  # the last step (flushed below: nothing to overlap) or no overlap
+                self._copy(job, tensors, copy)
             else:
                 self.device.start_thread(self._copy, "ckpt-staging-copy", job, tensors, copy)
         self._pending = True
         self._pending_delta = time.monotonic() - t0
         self._pending_wait = waited
         self._pending_step = step
-        if last_step:
+        if inline:
             self.wait_for_staging()
+        if last_step:
             self.flush()
 
     def _copy(self, job: _Job, tensors, copy: device_copy.Copy) -> None:
         faults.maybe_kill("kill_during_staging", job.step)
+        faults.maybe_delay("slow_staging", job.step)
         try:
             self.buffer.copy_in(job.layout, tensors, job.progress, copy)
             # The writer needs these only after the data: made here, they overlap the disk.
@@ -322,7 +339,13 @@ class TieredCheckpointer:
         (a local state already read and checked, or a PFS step to dcp.load)."""
         rec = Recovery(None)
         reports: list = [None] * self.s.world_size
-        dist.all_gather_object(reports, self.local.held_parts(self.s.layout_tags), group=self.commit_pg)
+        tags = self.s.layout_tags
+        dist.all_gather_object(reports, (self.local.held_parts(tags), self.local.other_layout_steps(tags)),
+                               group=self.commit_pg)
+        other = {s: why for _, o in reports for s, why in o.items()}
+        reports = [held for held, _ in reports]
+        for step in sorted(s for s in other if not any(s in r for r in reports)):
+            rec.skipped.append(("local", step, other[step]))
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         for tier, step in recovery.ordered_candidates(reports, self.pfs.steps()):
@@ -550,9 +573,10 @@ class TieredCheckpointer:
             return
         try:
             nbytes = self.pfs.save(job.step, state, self.drain_pg,
-                                   before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step))
+                                   before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step),
+                                   beside_export=job.beside_export)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            self._failed("pfs", job.step, repr(e))
+            self._failed("pfs", job.step, describe(e))
             return
         self.stats.drains += 1
         self.stats.last_drained = job.step

@@ -7,6 +7,7 @@ parse from TOML and the CLI like torchtitan's own (`--checkpoint.local_interval 
 This module imports no torch: the CLI and the tests read it without a training stack.
 """
 
+import importlib.util
 import os
 import socket
 from dataclasses import dataclass, field
@@ -148,6 +149,18 @@ def validate(ckpt, dump_folder: str) -> None:
         )
     if not ckpt.tier_local:
         return
+    if getattr(ckpt, "last_save_in_hf", False) and not getattr(ckpt, "last_save_model_only", True):
+        raise ConfigError(
+            "[checkpoint] last_save_in_hf = true needs last_save_model_only = true: torchtitan "
+            "writes only the model in HF safetensors (stock torchtitan would stop with an "
+            "assertion at the last step). Fix: set last_save_model_only = true, or "
+            "last_save_in_hf = false.")
+    hf = [k for k in ("last_save_in_hf", "initial_load_in_hf") if getattr(ckpt, k, False)]
+    if hf and importlib.util.find_spec("safetensors") is None:
+        raise ConfigError(
+            f"[checkpoint] {' and '.join(hf)} = true needs the safetensors package, which is "
+            "not installed (torchtitan would fail at that save or load). Fix: pip install "
+            "'titan_ckpt_plus[hf]' (or safetensors), or set it to false.")
     if ckpt.local_interval <= 0:
         raise ConfigError(
             f"[checkpoint] local_interval = {ckpt.local_interval} is invalid: it must be a "

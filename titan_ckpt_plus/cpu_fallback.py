@@ -3,7 +3,8 @@
 torchtitan 0.2.2 assumes a GPU: ``torchtitan.tools.utils.get_device_info`` falls back to
 ``"cuda"`` when no accelerator is found, several modules capture ``device_type`` /
 ``device_module`` at import time, the metrics code calls CUDA-only memory functions, and FSDP2
-reduce-scatters with ``ReduceOp.PREMUL_SUM``, which gloo does not implement.
+reduce-scatters with ``ReduceOp.PREMUL_SUM``, which gloo does not implement; the MoE router
+counts tokens per expert with ``torch.histc`` on int64, which has no CPU kernel.
 
 ``apply_if_needed()`` patches exactly those points, only when no accelerator is present.  It is
 called from the package's import hook (``[experimental] custom_import = "titan_ckpt_plus"``),
@@ -179,6 +180,51 @@ def _patch_fsdp_sum_reduction() -> None:
     FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
 
 
+def _histc_integer(input, bins=100, min=0, max=0, *, out=None):
+    """torch.histc for integer CPU tensors, which torch lacks ("histogram_cpu" not
+    implemented for 'Long'): the MoE router counts tokens per expert with it. Same bins
+    as histc's float rule, floor((x - min) * bins / (max - min)) with x == max in the
+    last bin, in integer arithmetic, so the counts are exact; same dtype as the input."""
+    original = _histc_integer.original
+    if input.is_floating_point() or input.device.type != "cpu" or out is not None:
+        kwargs = {} if out is None else {"out": out}
+        return original(input, bins=bins, min=min, max=max, **kwargs)
+    x = input.reshape(-1).long()
+    lo, hi = int(min), int(max)
+    if lo == hi and x.numel():  # histc's rule: the data's own range
+        lo, hi = int(x.min()), int(x.max())
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    x = x[(x >= lo) & (x <= hi)]
+    idx = torch.div((x - lo) * bins, hi - lo, rounding_mode="floor").clamp_(max=bins - 1)
+    return torch.bincount(idx, minlength=bins).to(input.dtype)
+
+
+def _patch_integer_histc() -> None:
+    if getattr(torch.histc, "__name__", "") == "_histc_integer":
+        return
+    _histc_integer.original = torch.histc
+    torch.histc = _histc_integer
+
+
+def _patch_moe_permute_indices() -> None:
+    """Expert parallelism permutes tokens with a triton kernel unless told `use_cpu`, and
+    torchtitan's MoE code never tells it: route CPU tensors to its own CPU version."""
+    from torchtitan.models.moe import utils as moe_utils
+
+    original = moe_utils.generate_permute_indices
+    if getattr(original, "_titan_ckpt_plus_cpu", False):
+        return
+
+    def generate_permute_indices(tokens_per_expert_group, *args, **kwargs):
+        if tokens_per_expert_group.device.type == "cpu":
+            kwargs["use_cpu"] = True
+        return original(tokens_per_expert_group, *args, **kwargs)
+
+    generate_permute_indices._titan_ckpt_plus_cpu = True  # type: ignore[attr-defined]
+    moe_utils.generate_permute_indices = generate_permute_indices
+
+
 def apply_if_needed() -> bool:
     """Apply the CPU/gloo fallback if no accelerator is present.
 
@@ -196,12 +242,14 @@ def apply_if_needed() -> bool:
 
     _patch_torchtitan_device()
     _patch_fsdp_sum_reduction()
+    _patch_integer_histc()
+    _patch_moe_permute_indices()
     _ACTIVE = True
 
     from torchtitan.tools.logging import logger
 
     logger.info(
         "titan_ckpt_plus: no accelerator found, CPU fallback active "
-        "(device 'cpu', gloo backend, FSDP sum reduction)"
+        "(device 'cpu', gloo backend, FSDP sum reduction, integer histc, MoE CPU permutation)"
     )
     return True

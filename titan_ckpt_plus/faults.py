@@ -7,7 +7,9 @@ kill_during_staging (before step N's staging copy), kill_during_local_write (aft
 the first chunk of step N's local data file), kill_during_replication (before step
 N's part is sent to its peers), kill_during_pfs_write (in step N's dcp.save, before this
 rank's data files); enospc_local_write (that write fails with "No space left on device"),
-eio_pfs_write (step N's PFS drain fails with an I/O error); sigterm_after_step (SIGTERM
+eio_pfs_write (step N's PFS drain fails with an I/O error); slow_staging (step N's
+staging copy starts 1.5 s late, so the next step's forward/backward runs meanwhile: a
+copy not ordered before the parameters change is caught); sigterm_after_step (SIGTERM
 to the launcher, as a scheduler's preemption notice: torchrun forwards it to every
 worker). `:R` limits it to global rank R. Only the first incarnation fires
 (TORCHELASTIC_RESTART_COUNT 0), so torchrun restarts run clean.
@@ -16,6 +18,7 @@ worker). `:R` limits it to global rank R. Only the first incarnation fires
 import errno
 import os
 import signal
+import time
 
 ENV = "TITAN_CKPT_FAULT"
 
@@ -52,3 +55,8 @@ def maybe_fail(kind: str, step: int) -> None:
     if _armed(kind, step):
         code = errno.ENOSPC if kind.startswith("enospc") else errno.EIO
         raise OSError(code, f"{os.strerror(code)} (injected: {kind}@{step})")
+
+
+def maybe_delay(kind: str, step: int, seconds: float = 1.5) -> None:
+    if _armed(kind, step):
+        time.sleep(seconds)

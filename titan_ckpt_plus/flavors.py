@@ -1,4 +1,4 @@
-"""Extra llama3 model flavors for tests and benchmarks.
+"""Extra model flavors for tests and benchmarks (llama3; a tiny qwen3).
 
 ``torchtitan.models.llama3.get_train_spec()`` builds a new TrainSpec on every call but passes the
 module-level dict ``llama3_args`` itself as ``model_args``, so adding keys to that dict is seen by
@@ -36,9 +36,21 @@ def _flavors() -> dict:
 FLAVORS = ("tiny", "100M", "1B")
 
 
+def _qwen3_tiny():
+    """qwen3's debugmodel holds 390 MB of state per rank; this one 2 MB, with its
+    features kept (tied embeddings, q/k norm, grouped KV heads)."""
+    from torchtitan.models.qwen3 import Qwen3ModelArgs
+
+    return Qwen3ModelArgs(vocab_size=2048, max_seq_len=4096, head_dim=16, dim=64, n_layers=2,
+                          n_heads=4, n_kv_heads=2, qk_norm=True, hidden_dim=128,
+                          rope_theta=1000000, enable_weight_tying=True)
+
+
 def register() -> None:
-    """Add the flavors to torchtitan's llama3 model args (idempotent; never overrides)."""
+    """Add the flavors to torchtitan's model args (idempotent; never overrides)."""
     from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.qwen3 import qwen3_args
 
     for name, args in _flavors().items():
         llama3_args.setdefault(name, args)
+    qwen3_args.setdefault("tiny", _qwen3_tiny())

@@ -25,6 +25,7 @@ from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, No
 
 PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
+FULL_STATE = "full_state"  # == tiers.pfs.FULL_STATE
 PLUGIN_DIR = identity.PLUGIN_DIR
 EVENTS = "events.jsonl"
 LOCAL_ROOTS = "local_roots.json"
@@ -172,10 +173,24 @@ def local_step(root: str, step: int, path: str, n_nodes: int | None = None) -> S
                     _replicas(commit if isinstance(commit, dict) else {}, manifests, n_nodes))
 
 
+def _export_note(path: str) -> str:
+    """"" or what the last-step export in `path` is, as its manifest says (tiers/pfs.py)."""
+    try:
+        m = files.read_json(os.path.join(path, PFS_MANIFEST))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(m, dict) or m.get("kind") != "export":
+        return ""
+    return f"export ({m.get('format', '?')}, {str(m.get('dtype', '?')).replace('torch.', '')})"
+
+
 def pfs_step(folder: str, step: int, path: str) -> StepInfo:
     names = os.listdir(path)
-    complete = PFS_METADATA in names
-    if not complete:
+    export = _export_note(path)
+    complete = PFS_METADATA in names or bool(export)
+    if export:
+        state = export + ", not resumable"
+    elif not complete:
         state = "torn (no .metadata)"
     elif PFS_MANIFEST in names:
         state = "complete"
@@ -206,6 +221,8 @@ def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[
     for folder in pfs:
         notes.append(f"PFS folder {folder}")
         steps += [pfs_step(folder, s, d) for s, d in _step_dirs(folder)]
+        full = os.path.join(folder, FULL_STATE)  # the last steps' full state, beside their exports
+        steps += [pfs_step(full, s, d) for s, d in _step_dirs(full)]
     return steps, notes
 
 
@@ -442,7 +459,8 @@ def verify_pfs_step(path: str) -> list[Check]:
             out.append(Check("FAILED", "pfs", os.path.join(path, name), str(e).split(": ", 1)[-1]))
     for name in sorted(n for n in names if n.endswith(".distcp") and n not in listed):
         out.append(Check("FAILED", "pfs", os.path.join(path, name), "not covered by the manifest"))
-    if PFS_METADATA not in names and PFS_METADATA not in listed:
+    hf_export = manifest.get("kind") == "export" and PFS_METADATA not in listed
+    if PFS_METADATA not in names and PFS_METADATA not in listed and not hf_export:
         out.append(Check("FAILED", "pfs", os.path.join(path, PFS_METADATA), "missing"))
     if not out:
         out.append(Check("ok", "pfs", path, f"{len(listed)} files, {sum(v['size'] for v in listed.values())} B"))
@@ -480,6 +498,7 @@ def verify_path(path: str, extra_roots: list[str] | None = None) -> tuple[list[C
             else:
                 notes.append(f"local root {root} (from {src}): not visible from this host, not checked")
         folders += pfs_folders(path)
+    folders += [full for f in list(folders) if os.path.isdir(full := os.path.join(f, FULL_STATE))]
     for root in extra_roots or []:
         if os.path.abspath(root) not in folders and os.path.isdir(root):
             folders.append(os.path.abspath(root))

@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtitan.components import checkpoint as tt_checkpoint
-from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer import OptimizersContainer, OptimizersInBackwardContainer
 from torchtitan.tools.logging import logger
 
-from titan_ckpt_plus import config, cpu_fallback, faults, flavors, identity
+from titan_ckpt_plus import config, cpu_fallback, digest, faults, flavors, identity
 from titan_ckpt_plus.adapters import torchtitan_v022_data
-from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings, describe
 from titan_ckpt_plus.optimizer_state import OptimizerStateCache
 from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
 from titan_ckpt_plus.policy.ledger import FAILURE_CLASSES, FailureLedger
@@ -60,6 +60,11 @@ class TieredCheckpointManager(_StockManager):
         if not self.enable:
             return
         rank, world = dist.get_rank(), dist.get_world_size()
+        in_backward = isinstance(optimizers, OptimizersInBackwardContainer)
+        if in_backward and rank == 0:
+            logger.info("[titan_ckpt_plus] [optimizer] early_step_in_backward = true: the "
+                        "parameters change during backward, so each save's copy finishes "
+                        "before the next step starts (no overlap with forward/backward)")
         self.job = self._establish_identity(checkpoint_config.adopt_job, base_folder)
         node_folder = config.resolve_local_folder(checkpoint_config.local_folder)
         settings = TierSettings(
@@ -76,6 +81,8 @@ class TieredCheckpointManager(_StockManager):
             layout_tags=self._layout_tags(),
             pin=torch.cuda.is_available(),
             replication_backend=checkpoint_config.replication_backend,
+            overlap_copy=not in_backward,
+            last_step_export=self._last_step_is_export(),
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
@@ -83,6 +90,8 @@ class TieredCheckpointManager(_StockManager):
         placement = self._placement(checkpoint_config, world)
         policy = self._interval_policy(checkpoint_config)
         self._optimizer_state = self._optimizer_state_cache()
+        self._digests = digest.DigestLog(os.environ.get(digest.DIGEST_ENV), rank)
+        self._saving_step = -1
         self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement, policy,
                                          adaptive=checkpoint_config.adaptive_interval)
         ledger_path = os.path.join(base_folder, identity.PLUGIN_DIR, "ledger.jsonl")
@@ -246,9 +255,11 @@ class TieredCheckpointManager(_StockManager):
         """The same state stock torchtitan hands to dcp.save, with every Stateful
         resolved to its state_dict(), so DCP sees identical keys after the drain."""
         cached = self._optimizer_state
-        return {k: cached.state_dict() if cached is not None and k == tt_checkpoint.OPTIMIZER
-                else v.state_dict() if isinstance(v, Stateful) else v
-                for k, v in self._flattened_model_states_sd().items()}
+        state = {k: cached.state_dict() if cached is not None and k == tt_checkpoint.OPTIMIZER
+                 else v.state_dict() if isinstance(v, Stateful) else v
+                 for k, v in self._flattened_model_states_sd().items()}
+        self._digests.record("save", self._saving_step, state, dist.get_world_size())  # test hook
+        return state
 
     def _layout_tag(self, world: int) -> dict:
         """What a local step must match to be loaded by this job: world size and how
@@ -270,7 +281,10 @@ class TieredCheckpointManager(_StockManager):
             super().save(curr_step, last_step)
         else:
             first = curr_step == 1 and self.enable_first_step_checkpoint
+            self._saving_step = curr_step
             self.tiered.save(curr_step, last_step or first)
+            if last_step and self.tiered.s.last_step_export:
+                self._export_last_step(curr_step)
             saved_now = self.tiered.schedule.last_local == curr_step
             if self.ledger and (saved_now or time.monotonic() - self._last_heartbeat > 5):
                 self._last_heartbeat = time.monotonic()
@@ -283,6 +297,38 @@ class TieredCheckpointManager(_StockManager):
                 self._stop_for_preemption(curr_step)
         faults.maybe_kill("kill_after_step", curr_step)
         faults.maybe_preempt(curr_step)
+
+    # ---- the last step's export ---------------------------------------------------
+
+    def _last_step_is_export(self) -> bool:
+        """Whether torchtitan's last step writes an export (model only, or HF) rather than
+        the full state: then step-N is the export and the full state goes beside it."""
+        return bool(self.last_save_model_only or self.last_save_in_hf)
+
+    def _export_last_step(self, step: int) -> None:
+        """torchtitan's own export at the last step, written by its own code to its own
+        step-N (model only in export_dtype, DCP or HF safetensors through the model's
+        state-dict adapter), after the full state is on both tiers. A failed export is
+        logged and counted; the full state stays, so the job can still resume."""
+        pfs = self.tiered.pfs
+        fmt = "HF safetensors" if self.last_save_in_hf else "DCP"
+        what = f"model only, {str(self.export_dtype).replace('torch.', '')}" \
+            if self.last_save_model_only else "full state"
+        t0 = time.monotonic()
+        try:
+            pfs.prepare_export(step, self.tiered.commit_pg)
+            self._save_last_step(step)  # stock: synchronous, on every rank
+            nbytes = pfs.record_export(step, fmt, str(self.export_dtype)) if dist.get_rank() == 0 else 0
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self.tiered._failed("export", step, describe(e))
+            return
+        seconds = time.monotonic() - t0
+        self.tiered._info(f"[titan_ckpt_plus] last step {step}: torchtitan's export ({what}, {fmt}) at "
+                    f"{pfs.export_dir(step)} in {seconds:.2f}s; the full state for resuming is "
+                    f"in the local tier and at {pfs.step_dir(step)}")
+        self.events.record("export", step=step, path=pfs.export_dir(step), format=fmt,
+                           model_only=bool(self.last_save_model_only),
+                           dtype=str(self.export_dtype), bytes=nbytes, seconds=seconds)
 
     # ---- preemption -----------------------------------------------------------
 
@@ -354,11 +400,14 @@ class TieredCheckpointManager(_StockManager):
             logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
         if rec.tier is None:
             self._ledger_after_recovery(None, -1, time.monotonic() - t0)
-            if rec.skipped and any(t == "pfs" for t, _, _ in rec.skipped):
+            if rec.skipped:  # this job has steps, and none fits: starting over would lose them
                 raise RuntimeError(
-                    "[titan_ckpt_plus] every checkpoint failed its checks (see warnings "
-                    "above); refusing to load a corrupt one or to silently start over. "
-                    f"Move {self.folder} and the local folders aside to start from scratch.")
+                    "[titan_ckpt_plus] this job has checkpoints but none can be loaded here "
+                    "(see the warnings above: a failed check, or local steps of another "
+                    "parallel layout with no PFS step to reshard from); refusing to load a "
+                    "corrupt one or to silently start over. Fix: restart with the layout "
+                    "they were saved with, or move "
+                    f"{self.folder} and the local folders aside to start from scratch.")
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
         if rec.tier == "local":
             self._load_local(rec.state)
@@ -376,12 +425,24 @@ class TieredCheckpointManager(_StockManager):
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
         self.tiered.resumed_at(rec.step)
+        if self._digests.path:
+            loaded = self._states_to_load(model_only=False)
+            self._digests.record("load", rec.step, {k: v for k, v in self._capture_plain().items()
+                                                    if k in loaded}, dist.get_world_size())
         self._ledger_after_recovery(rec.tier, rec.step, seconds)
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
                            job_id=self.job.job_id,
                            bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
                            skipped=[list(x) for x in rec.skipped])
         return True
+
+    def _capture_plain(self) -> dict:
+        """_capture() without the save-point digest: what a save would stage now."""
+        path, self._digests.path = self._digests.path, None
+        try:
+            return self._capture()
+        finally:
+            self._digests.path = path
 
     def _load_local(self, saved: dict) -> None:
         for key, live in self._states_to_load(model_only=False).items():
@@ -414,20 +475,22 @@ LOSS_LOG_ENV = "TITAN_CKPT_LOSS_LOG"
 def _record_losses(path: str | None) -> None:
     """Test hook: append each logged step's exact loss (repr of the float) to `path`,
     so a resumed run can be compared bit for bit with an uninterrupted one. Armed by
-    the TITAN_CKPT_LOSS_LOG environment variable, for stock and tiered runs alike."""
-    if not path or os.environ.get("RANK", "0") != "0":
+    the TITAN_CKPT_LOSS_LOG environment variable, for stock and tiered runs alike.
+    Written by torchtitan's metrics rank (rank 0, or the last pipeline stage's)."""
+    if not path:
         return
-    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components import metrics
 
-    original = MetricsProcessor.log
+    original = metrics.MetricsProcessor.log
     log = EventLog(path)
 
     def logged(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        log.record("loss", step=step, loss=float(global_avg_loss))
-        log.flush()  # a test hook: written before the step ends, even if killed next
+        if dist.get_rank() == metrics._get_metrics_rank(self.parallel_dims, self.job_config):
+            log.record("loss", step=step, loss=float(global_avg_loss))
+            log.flush()  # a test hook: written before the step ends, even if killed next
         return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
-    MetricsProcessor.log = logged
+    metrics.MetricsProcessor.log = logged
 
 
 _installed = False

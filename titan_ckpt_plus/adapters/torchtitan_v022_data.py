@@ -1,8 +1,9 @@
 """torchtitan 0.2.2 side of dataloader resumption by global sample count (issue 5).
 
-`install()` re-registers the llama3 TrainSpec with `build_dataloader` as its
-`build_dataloader_fn` (model flavors still resolve: the spec keeps llama3's model-args
-dict) and installs the DCP load hook of `titan_ckpt_plus.data.dcp_hint`.
+`install()` re-registers the TrainSpec of every model family built on torchtitan's
+text dataloader (llama3, llama4, deepseek_v3, qwen3, gpt_oss) with `build_dataloader`
+as its `build_dataloader_fn` (model flavors still resolve: the spec keeps the family's
+model-args dict) and installs the DCP load hook of `titan_ckpt_plus.data.dcp_hint`.
 
 `build_dataloader` is active when `[checkpoint] enable = true`, `tier_local = true` and
 `[checkpoint] dataloader_resume = "global_samples"` (the default); otherwise it returns
@@ -38,7 +39,7 @@ from titan_ckpt_plus.data.global_stream import GlobalStream
 from titan_ckpt_plus.data.loader import SAMPLE_LOG_ENV, GlobalSampleLoader
 
 MODES = ("global_samples", "per_rank")
-MODELS = ("llama3",)
+MODELS = ("llama3", "llama4", "deepseek_v3", "qwen3", "gpt_oss")  # torchtitan 0.2.2's text families
 _PROBES = ("", "Hello, world!", "  leading spaces\nand a newline\t tab 123 ÄÖÜ 漢字 🙂")
 
 
@@ -216,17 +217,24 @@ _installed = False
 
 
 def install() -> None:
-    """Idempotent: the llama3 TrainSpec's dataloader and the DCP load hook."""
+    """Idempotent: the text families' TrainSpec dataloaders and the DCP load hook."""
     global _installed
     if _installed:
         return
     _installed = True
     from torchtitan.protocols import train_spec as ts
 
+    text_loader = _stock_builder()
     for name in MODELS:
-        spec = ts.get_train_spec(name)
+        try:
+            spec = ts.get_train_spec(name)
+        except Exception as e:  # a family this install cannot import: its jobs fail anyway
+            logger.debug(f"[titan_ckpt_plus] train spec {name!r} not available: {e!r}")
+            continue
         if getattr(spec.build_dataloader_fn, "_titan_ckpt_plus", False):
             continue
+        if spec.build_dataloader_fn is not text_loader and name not in ts._extra_train_specs:
+            continue  # not torchtitan's text loader: the global stream would not be its data
         hook = functools.partial(build_dataloader, per_rank_builder=spec.build_dataloader_fn)
         hook._titan_ckpt_plus = True
         new = dataclasses.replace(spec, build_dataloader_fn=hook)

@@ -360,6 +360,20 @@ class LocalTier:
                 out[s] = sorted(ranks)
         return out
 
+    def other_layout_steps(self, layout_tags: list[dict]) -> dict[int, str]:
+        """Committed steps of this job with no part that fits this layout (a changed
+        world size or sharding) -> why: never loaded from here, but worth a line in
+        the log, and a refusal if nothing else can be loaded."""
+        held, out = self.held_parts(layout_tags), {}
+        for s in self.committed_steps():
+            commit = self._commit_record(s)
+            if s in held or commit.get("job_id") != self.job_id:
+                continue
+            was = commit.get("world_size")
+            out[s] = (f"saved at world size {was}, now {len(layout_tags)}" if was != len(layout_tags)
+                      else "saved with another parallel layout") + " (only a PFS step reshards)"
+        return out
+
     def _commit_record(self, step: int) -> dict:
         try:
             rec = files.read_json(os.path.join(self.step_dir(step), COMMIT))

@@ -3,6 +3,16 @@
     <dump_folder>/<folder>/step-N/.metadata, __R_I.distcp   written by dcp.save
                                titan_ckpt_plus.json          the job's id, size and
                                                              CRC-32C per file
+    <dump_folder>/<folder>/full_state/step-N/               the last step's full state,
+                                                             where torchtitan's export
+                                                             holds step-N (see below)
+
+At the last step stock torchtitan writes an export to step-N: the model only (by
+default), in `export_dtype`, as DCP or HF safetensors. Tools downstream read it
+there, so it is written there, as stock writes it, with a manifest of kind "export";
+the job's full state for that step goes to full_state/step-N (a name stock
+torchtitan's step search does not match). An export is never a recovery candidate
+and never purged: `steps()` lists resumable steps only.
 
 Stock torchtitan loads these steps as they are (it ignores the extra manifest) and
 DCP reshards them to another parallel layout. A step without `.metadata` is torn and
@@ -22,6 +32,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from titan_ckpt_plus.tiers import files
 
 MANIFEST = "titan_ckpt_plus.json"
+FULL_STATE = "full_state"
+HF_INDEX = "model.safetensors.index.json"
 
 
 class CountingReader(FileSystemReader):
@@ -74,34 +86,52 @@ class PfsTier:
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
 
+    def _dir(self, step: int, beside_export: bool = False) -> str:
+        return os.path.join(self.folder, FULL_STATE if beside_export else "", f"step-{step}")
+
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.folder, f"step-{step}")
+        """Where step N's full state is: full_state/step-N if written there, else step-N."""
+        full = self._dir(step, beside_export=True)
+        return full if os.path.isfile(os.path.join(full, ".metadata")) else self._dir(step)
+
+    def export_dir(self, step: int) -> str:
+        return self._dir(step)
 
     def steps(self) -> list[int]:
-        """Complete steps (with .metadata), oldest first."""
+        """Complete resumable steps (with .metadata, not an export), oldest first."""
+        main = {s for s in _complete(self.folder) if not self.is_export(s)}
+        return sorted(main | set(_complete(os.path.join(self.folder, FULL_STATE))))
+
+    def exports(self) -> list[int]:
+        """Steps whose step-N holds a last-step export (DCP or HF), oldest first."""
         if not os.path.isdir(self.folder):
             return []
-        return sorted(
-            s for n in os.listdir(self.folder)
-            if (s := files.step_of(n)) is not None
-            and os.path.isfile(os.path.join(self.folder, n, ".metadata"))
-        )
+        return sorted(s for n in os.listdir(self.folder)
+                      if (s := files.step_of(n)) is not None and self.is_export(s))
 
-    def save(self, step: int, state: dict, pg, before_write=None) -> int:
-        """Collective over `pg`: dcp.save, then the manifest. Returns this rank's bytes."""
-        path = self.step_dir(step)
-        why = ""
-        if self.rank == 0 and os.path.isdir(path):
-            owner = self._owner(step)
-            if owner not in (None, self.job_id):  # another job writes here: never touch its step
-                why = f"{path} exists and belongs to job {owner}; not overwritten"
-            else:
-                # The same step saved again after a restart: never mix two incarnations'
-                # files under one .metadata.
-                shutil.rmtree(path)
-        why = agree(why, pg)  # also the barrier: no rank writes before the old files are gone
-        if why:
-            raise files.CorruptCheckpoint(why)
+    def is_export(self, step: int) -> bool:
+        """Whether step-N is a model-only export: our manifest says so; without one (stock
+        torchtitan wrote it), an HF export, or a DCP step that has no train_state."""
+        path = self._dir(step)
+        try:
+            return files.read_json(os.path.join(path, MANIFEST)).get("kind") == "export"
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, AttributeError):
+            return False  # unreadable: verify() rejects it
+        if os.path.isfile(os.path.join(path, HF_INDEX)):
+            return True
+        try:
+            keys = FileSystemReader(path).read_metadata().state_dict_metadata
+        except Exception:
+            return False
+        return not any(k == "train_state" or k.startswith("train_state.") for k in keys)
+
+    def save(self, step: int, state: dict, pg, before_write=None, beside_export: bool = False) -> int:
+        """Collective over `pg`: dcp.save, then the manifest. Returns this rank's bytes.
+        `beside_export`: the last step, whose step-N torchtitan's export will hold."""
+        path = self._dir(step, beside_export)
+        self._clear(path, pg)
         writer = HookedWriter(path, before_write) if before_write else None
         dcp.save(state, checkpoint_id=path, storage_writer=writer, process_group=pg)
         mine = {}
@@ -116,8 +146,45 @@ class PfsTier:
             size, crc = files.checksum_file(os.path.join(path, ".metadata"))
             allfiles[".metadata"] = {"size": size, files.SUM: crc}
             files.atomic_write_json(os.path.join(path, MANIFEST),
-                                    {"step": step, "job_id": self.job_id, "files": allfiles})
+                                    {"step": step, "job_id": self.job_id, "kind": "full",
+                                     "files": allfiles})
         return sum(v["size"] for v in mine.values())
+
+    def _clear(self, path: str, pg) -> None:
+        """Collective: make room at `path`, never touching another job's step. The same
+        step saved again after a restart must not mix two incarnations' files under one
+        .metadata, so this job's old files there go first."""
+        why = ""
+        if self.rank == 0 and os.path.isdir(path):
+            owner = _read_owner(path)
+            if owner not in (None, self.job_id):
+                why = f"{path} exists and belongs to job {owner}; not overwritten"
+            else:
+                shutil.rmtree(path)
+        why = agree(why, pg)  # also the barrier: no rank writes before the old files are gone
+        if why:
+            raise files.CorruptCheckpoint(why)
+
+    def prepare_export(self, step: int, pg) -> None:
+        """Collective: step-N emptied for torchtitan's export (raises if another job's)."""
+        self._clear(self._dir(step), pg)
+
+    def record_export(self, step: int, fmt: str, dtype: str) -> int:
+        """Rank 0, after torchtitan wrote its export: the manifest that marks step-N as an
+        export of this job (never loaded, never purged), with every file's checksum.
+        Returns the export's bytes."""
+        path = self._dir(step)
+        allfiles = {}
+        for root, _, names in os.walk(path):
+            for name in names:
+                rel = os.path.relpath(os.path.join(root, name), path)
+                if rel != MANIFEST:
+                    size, crc = files.checksum_file(os.path.join(root, name))
+                    allfiles[rel] = {"size": size, files.SUM: crc}
+        files.atomic_write_json(os.path.join(path, MANIFEST),
+                                {"step": step, "job_id": self.job_id, "kind": "export",
+                                 "format": fmt, "dtype": dtype, "files": allfiles})
+        return sum(v["size"] for v in allfiles.values())
 
     def verify(self, step: int, pg) -> tuple[bool, str]:
         """Collective: each rank checks every world_size-th file of the manifest."""
@@ -142,20 +209,13 @@ class PfsTier:
         return {s: self._owner(s) for s in self.steps()}
 
     def other_jobs_steps(self) -> dict[int, str]:
-        """Complete steps whose manifest names another job. An unreadable one ("?")
-        is not counted: recovery's checks skip it, and retention keeps it."""
-        return {s: o for s, o in self.owners().items() if o not in (None, "?", self.job_id)}
+        """Complete steps and exports whose manifest names another job. An unreadable
+        one ("?") is not counted: recovery's checks skip it, and retention keeps it."""
+        owners = self.owners() | {s: _read_owner(self._dir(s)) for s in self.exports()}
+        return {s: o for s, o in owners.items() if o not in (None, "?", self.job_id)}
 
     def _owner(self, step: int) -> str | None:
-        """The job id a step's manifest records; None: none (stock torchtitan's step,
-        one written before job identities, or one whose manifest is not written yet);
-        "?": an unreadable manifest, which verify() rejects."""
-        try:
-            return files.read_json(os.path.join(self.step_dir(step), MANIFEST)).get("job_id")
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, AttributeError):
-            return "?"
+        return _read_owner(self.step_dir(step))
 
     def _foreign(self, step: int) -> bool:
         """Another job's step, or one that cannot be told: never overwritten or purged."""
@@ -177,3 +237,23 @@ class PfsTier:
         for s in old:
             shutil.rmtree(self.step_dir(s), ignore_errors=True)
         return old
+
+
+def _complete(folder: str) -> list[int]:
+    """Steps of `folder` with a .metadata (DCP wrote it last)."""
+    if not os.path.isdir(folder):
+        return []
+    return [s for n in os.listdir(folder)
+            if (s := files.step_of(n)) is not None and os.path.isfile(os.path.join(folder, n, ".metadata"))]
+
+
+def _read_owner(path: str) -> str | None:
+    """The job id a step folder's manifest records; None: none (stock torchtitan's step,
+    one written before job identities, or one whose manifest is not written yet);
+    "?": an unreadable manifest, which verify() rejects."""
+    try:
+        return files.read_json(os.path.join(path, MANIFEST)).get("job_id")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return "?"
