@@ -3,11 +3,13 @@
     save(step)   stage the state into a reused host buffer (the only blocking part;
                  the tensor copy may overlap the next forward/backward and is awaited
                  in wait_for_staging(), just before optimizer.step())
-      writer     thread: buffer -> local part, fsync; all ranks agree on a gloo group;
-                 commit marker; local retention; hand PFS steps to the drainer
-      drainer    thread: committed local part -> dcp.save on the PFS (own gloo group),
-                 manifest, PFS retention. The training loop never waits for it, except
-                 in flush() at the last step and close().
+      writer     thread: buffer -> local part, fsync; replicas; all ranks agree on a
+                 gloo group; commit marker; local retention; hand PFS steps to the drain
+      drain      drain.py: committed local part -> the PFS in DCP layout, on its own
+                 thread. The training loop never waits for it, except in flush() at
+                 the last step and close().
+
+The writer and the drain run at background priority (`background_nice`, priority.py).
 
 A failed save (disk full, permission, I/O error) is logged and counted; training
 goes on and the older checkpoints stay.
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt_plus import device_copy, faults, recovery, staging
+from titan_ckpt_plus.drain import PfsDrain
 from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
 from titan_ckpt_plus.replication import Part, Wire, check_part
@@ -34,15 +37,6 @@ from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
-
-
-def describe(e: BaseException) -> str:
-    """repr(e); DCP's CheckpointException as each rank's error, without the frames."""
-    failures = getattr(e, "failures", None)
-    if not isinstance(failures, dict):
-        return repr(e)
-    return "; ".join(f"rank {r}: {f[0] if isinstance(f, tuple) else f!r}"
-                     for r, f in sorted(failures.items()))
 
 
 @dataclass
@@ -65,6 +59,7 @@ class TierSettings:
     # the copy then completes inside save(), so the staged state is the step boundary's.
     overlap_copy: bool = True
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
+    background_nice: int = 10  # the writer's and the drain's CPU nice increment; lowest BE I/O
 
     @property
     def layout_tag(self) -> dict:
@@ -94,7 +89,7 @@ class _Job:
     staging_s: float = 0.0
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
     committed: bool = False
-    memory: Any = None  # the staged bytes, kept only when the local write failed
+    memory: Any = None  # the staging buffer's bytes, held for the drain when the local write failed
     layout_bytes: bytes | None = None  # set once staged
     fingerprint: str = ""
     beside_export: bool = False  # the PFS copy goes to full_state/step-N
@@ -134,11 +129,12 @@ class TieredCheckpointer:
         self._pending_delta = 0.0
         self._pending_wait = 0.0
         self._pending_step = -1
-        self._draining: set[int] = set()
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
         self.commit_pg = dist.new_group(backend="gloo")
-        self.drain_pg = dist.new_group(backend="gloo")
+        self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self._failed,
+                              self._drained, self._info)
+        self.drain.last_committed = lambda: self.stats.last_committed
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
         self.policy = policy  # adaptive: sets the intervals; else only compared with them
         # The training thread's own group (interval decisions, preemption agreement):
@@ -150,16 +146,18 @@ class TieredCheckpointer:
         self._started = time.monotonic()
         self._last_step_call: tuple[int, float] | None = None
         self._step_time = 0.0
-        self._last_write = {"local": 0.0, "pfs": 0.0}
+        self._last_local_write = 0.0
         self.placement = placement if placement and placement.factor > 0 else None
         if self.placement is not None:
             nccl = s.replication_backend == "nccl"
             self.wire = Wire(dist.new_group(backend=s.replication_backend),
                              device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
         self._write_q: queue.Queue = queue.Queue()
-        self._drain_q: queue.Queue = queue.Queue()
-        self._writer = self.device.start_thread(self._writer_loop, "ckpt-local-writer")
-        self._drainer = self.device.start_thread(self._drain_loop, "ckpt-pfs-drainer")
+        self._writer = self._background(self._writer_loop, "ckpt-local-writer")
+
+    def _background(self, target, name: str):
+        """A thread on the rank's device, below training's CPU and I/O priority."""
+        return self.device.start_thread(target, name, nice=self.s.background_nice)
 
     # ---- training-thread side -------------------------------------------------
 
@@ -247,7 +245,7 @@ class TieredCheckpointer:
         so every rank schedules the same steps. Fixed ones stay: rank 0 only records
         Young's tau and the expected waste of the configured interval against it, on
         the event log's background thread, so the training step does no more work."""
-        mine = [delta, self._step_time, self._last_write["local"], self._last_write["pfs"],
+        mine = [delta, self._step_time, self._last_local_write, self.drain.last_seconds,
                 time.monotonic() - self._started]
         if not self.schedule.adaptive:
             if self.s.rank == 0:
@@ -299,7 +297,7 @@ class TieredCheckpointer:
         Returns (the step now newest on the PFS, or -1; what was done)."""
         self.flush()
         job = self._last_committed_job
-        estimate = self._last_write["pfs"] or 2 * self._last_write["local"]
+        estimate = self.drain.last_seconds or 2 * self._last_local_write
         t = torch.tensor([estimate, time.monotonic() - deadline], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)  # worst rank
         estimate, remaining = float(t[0]), -float(t[1])
@@ -310,9 +308,8 @@ class TieredCheckpointer:
         if estimate > remaining:
             return newest_pfs, (f"not promoting local step {job.step}: the drain takes about "
                                 f"{estimate:.1f}s, {remaining:.1f}s of grace left")
-        self._draining.add(job.step)
-        self._drain_q.put(job)
-        self._drain_q.join()
+        self.drain.submit(job)
+        self.drain.join()
         if self.stats.last_drained == job.step:
             return job.step, f"promoted local step {job.step} to the PFS"
         return newest_pfs, f"promoting local step {job.step} failed (see above)"
@@ -321,7 +318,7 @@ class TieredCheckpointer:
         """Wait until every queued local write and PFS drain is done."""
         self.wait_for_staging()
         self._write_q.join()
-        self._drain_q.join()
+        self.drain.join()
 
     def close(self) -> None:
         self.flush()
@@ -329,9 +326,8 @@ class TieredCheckpointer:
             self._preempt_work.wait()
             self._preempt_work = None
         self._write_q.put(None)
-        self._drain_q.put(None)
         self._writer.join()
-        self._drainer.join()
+        self.drain.close()
 
     def recover(self) -> Recovery:
         """Collective: agree on the newest checkpoint every rank can load, fetch
@@ -448,10 +444,12 @@ class TieredCheckpointer:
         if self.placement is not None:
             job.ok = self._replicate(job, own) and job.ok
         if job.pfs_due and staged_ok and own is None:
-            # The local disk failed this step: keep the staged bytes for the PFS drain,
-            # so a full or broken local disk does not stop the persistent tier.
-            job.memory = self.buffer.data[: job.layout.total_bytes].clone()
-        self._buffer_free.set()
+            # The local disk failed this step: the drain reads the staged bytes, so a
+            # full or broken local disk does not stop the persistent tier. The buffer
+            # stays held until then (no second copy in memory); the next save waits.
+            job.memory = self.buffer.data[: job.layout.total_bytes]
+        else:
+            self._buffer_free.set()
         # Every rank reaches this all-reduce, failed or not, so the groups stay in step.
         committed, drainable = all_ranks([job.ok, own is not None or job.memory is not None],
                                          self.commit_pg)
@@ -459,10 +457,9 @@ class TieredCheckpointer:
             if job.ok:
                 self._failed("local", job.step, "another rank's part failed")
             if job.pfs_due and drainable:
-                self._draining.add(job.step)
-                self._drain_q.put(job)  # from this rank's uncommitted part or memory
+                self.drain.submit(job)  # from this rank's uncommitted part or memory
             else:
-                self._discard(job.step)
+                self._drained(job)
             return
         job.committed = True
         self._last_committed_job = job
@@ -475,20 +472,19 @@ class TieredCheckpointer:
             self.stats.saves += 1
             self.stats.last_committed = job.step
             commit_s = time.monotonic() - job.started
-            self._last_write["local"] = time.monotonic() - t0
+            self._last_local_write = time.monotonic() - t0
             self._info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
                        f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
             self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
                                staging_s=job.staging_s, background_write_s=write_s,
                                time_to_commit_s=commit_s)
         if job.pfs_due:
-            self._draining.add(job.step)
-            self._drain_q.put(job)
+            self.drain.submit(job)
         try:
             held = self.placement.sources(self.s.rank) if self.placement else []
             if not self.s.first_on_node:
                 self.local.wait_for_commit(job.step)
-            self.local.purge(protected=set(self._draining), held=held, committed_now=job.step)
+            self.local.purge(protected=set(self.drain.steps), held=held, committed_now=job.step)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
 
@@ -539,55 +535,11 @@ class TieredCheckpointer:
                            bytes_received=received, ok=ok)
         return ok
 
-    def _drain_loop(self) -> None:
-        while (job := self._drain_q.get()) is not None:
-            try:
-                self._drain(job)
-            except BaseException as e:  # the drainer must outlive any one drain
-                self._failed("pfs", job.step, f"unexpected: {e!r}")
-            finally:
-                job.memory = None
-                self._draining.discard(job.step)
-                if not job.committed:
-                    self._discard(job.step)
-                self._drain_q.task_done()
-        self._drain_q.task_done()
-
-    def _drain(self, job: _Job) -> None:
-        """Copy a committed local step to the PFS in DCP layout."""
-        t0 = time.monotonic()
-        state, why = None, ""
-        try:
-            if job.memory is not None:
-                layout, buf = job.layout, job.memory
-            else:
-                layout_bytes, data, _ = self.local.read_part(job.step)
-                layout = staging.StateLayout.from_bytes(layout_bytes)
-                buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-            state = staging.rebuild(layout, buf, job.specs)
-            faults.maybe_fail("eio_pfs_write", job.step)
-        except Exception as e:
-            state, why = None, repr(e)
-        if not all_ranks([state is not None], self.drain_pg)[0]:
-            self._failed("pfs", job.step, why or "another rank could not read its part")
-            return
-        try:
-            nbytes = self.pfs.save(job.step, state, self.drain_pg,
-                                   before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step),
-                                   beside_export=job.beside_export)
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            self._failed("pfs", job.step, describe(e))
-            return
-        self.stats.drains += 1
-        self.stats.last_drained = job.step
-        drain_s = time.monotonic() - t0
-        self._last_write["pfs"] = drain_s
-        self._info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
-                 f"in {drain_s:.3f}s (background)")
-        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
-                           background_write_s=drain_s,
-                           drain_lag_steps=self.stats.last_committed - job.step)
-        try:
-            self.pfs.purge()
-        except OSError as e:
-            log.warning(f"[titan_ckpt_plus] PFS retention failed: {e!r}")
+    def _drained(self, job: _Job) -> None:
+        """A step's drain is over (or none comes): free the staging buffer it held, and
+        drop an uncommitted step's local files."""
+        if job.memory is not None:
+            job.memory = None
+            self._buffer_free.set()
+        if not job.committed:
+            self._discard(job.step)

@@ -80,6 +80,12 @@ class Checkpoint:
     titan_ckpt_plus/job.json was lost); the job that made them must not be restarted.
     To start from another job's weights instead, use initial_load_path."""
 
+    background_nice: int = 10
+    """How far below the training thread the checkpointer's background threads run
+    (the local writer with its replication and retention, the PFS drain): their CPU
+    nice value is raised by this much and their I/O goes to the lowest best-effort
+    level, per thread (Linux). 0 runs them at training's priority."""
+
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
     the same on every rank: resumable at any DP degree) or "per_rank" (torchtitan's
@@ -198,6 +204,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] preemption_grace_s = {ckpt.preemption_grace_s} is invalid. "
             "Fix: the seconds a preempted job may take to stop (e.g. 25), or 0 to die at once.")
+    if not 0 <= getattr(ckpt, "background_nice", 10) <= 19:
+        raise ConfigError(
+            f"[checkpoint] background_nice = {ckpt.background_nice} is invalid. Fix: 0 (background "
+            "threads at training's priority) to 19 (lowest); 10 is the default.")
     _validate_adaptive(ckpt)
     local = resolve_local_folder(ckpt.local_folder)
     pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))

@@ -22,6 +22,8 @@ import threading
 
 import torch
 
+from titan_ckpt_plus import priority
+
 
 class Copy:
     """One save's staging copy on CPU: synchronous, so once issued it is done."""
@@ -93,11 +95,16 @@ class Device:
         """On the training thread, once the saved step's update is queued."""
         return Copy()
 
-    def start_thread(self, target, name: str, *args) -> threading.Thread:
-        """Every background thread of the checkpointer starts here."""
-        t = threading.Thread(target=self._on_device, args=(target, *args), name=name, daemon=True)
+    def start_thread(self, target, name: str, *args, nice: int = 0) -> threading.Thread:
+        """Every background thread of the checkpointer starts here; `nice` > 0 puts it
+        below training's CPU and I/O priority (priority.py)."""
+        t = threading.Thread(target=self._run, args=(target, nice, *args), name=name, daemon=True)
         t.start()
         return t
+
+    def _run(self, target, nice: int, *args) -> None:
+        priority.lower_this_thread(nice)
+        self._on_device(target, *args)
 
     def _on_device(self, target, *args) -> None:
         target(*args)

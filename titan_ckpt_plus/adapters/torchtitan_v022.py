@@ -25,7 +25,7 @@ from torchtitan.tools.logging import logger
 
 from titan_ckpt_plus import config, cpu_fallback, digest, faults, flavors, identity
 from titan_ckpt_plus.adapters import torchtitan_v022_data
-from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings, describe
+from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.optimizer_state import OptimizerStateCache
 from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
 from titan_ckpt_plus.policy.ledger import FAILURE_CLASSES, FailureLedger
@@ -34,7 +34,7 @@ from titan_ckpt_plus.staging import copy_into
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.files import atomic_write_json
 from titan_ckpt_plus.tiers.local import JobLock, claim_job_dir, job_dir, node_jobs
-from titan_ckpt_plus.tiers.pfs import PfsTier
+from titan_ckpt_plus.tiers.pfs import PfsTier, describe
 
 _StockManager = tt_checkpoint.CheckpointManager
 
@@ -83,6 +83,7 @@ class TieredCheckpointManager(_StockManager):
             replication_backend=checkpoint_config.replication_backend,
             overlap_copy=not in_backward,
             last_step_export=self._last_step_is_export(),
+            background_nice=checkpoint_config.background_nice,
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)

@@ -62,6 +62,15 @@ class HookedWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
+def describe(e: BaseException) -> str:
+    """repr(e); DCP's CheckpointException as each rank's error, without the frames."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict):
+        return repr(e)
+    return "; ".join(f"rank {r}: {f[0] if isinstance(f, tuple) else f!r}"
+                     for r, f in sorted(failures.items()))
+
+
 def all_ranks(flags: list[bool], pg) -> list[bool]:
     """Collective: for each flag, whether it holds on every rank."""
     t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)

@@ -1,0 +1,54 @@
+"""Background work yields to training: lower CPU and I/O priority, per thread.
+
+On Linux both the nice value and the I/O priority belong to a thread (its tid), not to
+the process, so the checkpointer's writer and drainer can run below the training
+thread in the same process, as Megatron's async workers do in theirs. Elsewhere, or
+where the kernel refuses, nothing changes (a note in the log, never an error).
+No torch import: unit-testable alone.
+"""
+
+import ctypes
+import logging
+import os
+import platform
+import threading
+
+log = logging.getLogger("titan_ckpt_plus")
+
+_SYS_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273, "s390x": 282}
+_SYS_IOPRIO_GET = {"x86_64": 252, "aarch64": 31, "ppc64le": 274, "s390x": 283}
+_IOPRIO_WHO_PROCESS = 1
+_IOPRIO_CLASS_SHIFT = 13
+IOPRIO_CLASS_BE = 2  # best effort: the class every thread starts in
+BE_LOWEST = 7
+
+
+def lower_this_thread(nice: int) -> dict:
+    """Raise this thread's nice value by `nice` (capped at 19) and put its I/O in the
+    lowest best-effort level. Returns what took effect, for the log and the tests."""
+    done = {"nice": None, "ioprio": None}
+    if nice <= 0:
+        return done
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+        done["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+    except (OSError, AttributeError) as e:
+        log.debug(f"[titan_ckpt_plus] could not lower thread {tid}'s CPU priority: {e!r}")
+    number = _SYS_IOPRIO_SET.get(platform.machine())
+    if number is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        value = (IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT) | BE_LOWEST
+        if libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, value) == 0:
+            done["ioprio"] = value
+    return done
+
+
+def io_priority(tid: int) -> int | None:
+    """A thread's I/O priority as the kernel reports it (class << 13 | level)."""
+    number = _SYS_IOPRIO_GET.get(platform.machine())
+    if number is None:
+        return None
+    value = ctypes.CDLL(None, use_errno=True).syscall(number, _IOPRIO_WHO_PROCESS, tid)
+    return value if value >= 0 else None
