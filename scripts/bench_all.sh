@@ -14,5 +14,6 @@ $PY scripts/bench_save.py --update "$OUT"
 $PY scripts/bench_replication.py --update "$OUT"
 $PY scripts/bench_data.py --update "$OUT"
 $PY scripts/bench_policy.py --update "$OUT"
+$PY scripts/bench_overhead.py --update "$OUT"
 $PY scripts/chaos.py --update "$OUT" || true  # a failed scenario shows in the targets table
-$PY scripts/benchmd.py "$OUT" save replication data policy chaos
+$PY scripts/benchmd.py "$OUT" save replication data policy overhead chaos

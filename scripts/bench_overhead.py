@@ -1,0 +1,189 @@
+"""What training notices of checkpointing (issue 15), in one run, on this machine:
+
+  - step inflation: the step during a local save and the step during a PFS drain, each
+    against an undisturbed step, next to the floor (memcpy + CRC-32C of the rank's bytes,
+    measured alone in this run, as a share of an undisturbed step);
+  - drain time against the node's bytes / the PFS folder's fsync'd write bandwidth;
+  - extra host memory: peak RSS per rank with the tiers on minus the same job's with
+    checkpointing off, against the rank's state bytes;
+  - a launch-bound loop (many tiny ops, standing in for a GPU step's Python dispatch)
+    slowed by a save + drain running in the same process.
+
+    .venv/bin/python scripts/bench_overhead.py [--update BENCHMARKS.md] [--models debugmodel,100M]
+
+debugmodel and the 100M flavor, 2 CPU ranks, local every 3 steps, PFS every 6.
+"""
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+from bench_save import machine_limits, pooled_limits  # noqa: E402
+from benchmd import record_targets, update_section  # noqa: E402
+from harness import ckpt_events, events, torchrun  # noqa: E402
+
+from titan_ckpt_plus.tiers import files  # noqa: E402
+
+MODELS = {
+    # flavor: (seq_len, local batch, steps)
+    "debugmodel": (128, 2, 26),
+    "100M": (32, 1, 14),
+}
+LOCAL_EVERY, PFS_EVERY = 3, 6
+SECTION = "## Overhead: what training notices of checkpointing"
+
+
+def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
+    seq, batch, steps = MODELS[flavor]
+    common = [f"--model.flavor={flavor}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
+              f"--training.steps={steps}", "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
+              "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only"]
+    ckpt = ([f"--checkpoint.local_interval={LOCAL_EVERY}", f"--checkpoint.interval={PFS_EVERY}"] if tiers
+            else ["--checkpoint.no-enable"])
+    proc = torchrun(work, *common, *ckpt, timeout=1800, digests=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    rss = [float(x) for x in re.findall(r"memory:\s+([0-9.]+)GiB", re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout))]
+    return proc, max(rss) * 2**30
+
+
+def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
+    """Step durations (loss-log times): during a local-only save (the step after it:
+    the copy and the write overlap it), during a PFS drain (overlapping its window),
+    and undisturbed (neither; not the first steps)."""
+    t = {r["step"]: r["time"] for r in events(work / "losses.jsonl", "loss")}
+    drains = [(e["time"] - e["background_write_s"], e["time"]) for e in ckpt_events(work, "pfs_commit")]
+    out = {"local": [], "drain": [], "undisturbed": []}
+    for s in range(4, steps):  # not the last step: it flushes
+        if s not in t or s - 1 not in t:
+            continue
+        a, b = t[s - 1], t[s]
+        overlaps = any(lo < b and a < hi for lo, hi in drains)
+        if overlaps:
+            out["drain"].append(b - a)
+        elif (s - 1) % LOCAL_EVERY == 0:
+            out["local"].append(b - a)
+        elif (s - 2) % LOCAL_EVERY != 0:  # two steps clear of a save
+            out["undisturbed"].append(b - a)
+    return out
+
+
+def floor_s(nbytes: int) -> float:
+    """memcpy + CRC-32C of `nbytes`, alone: the least a save can cost a core."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(3)
+    dst = torch.empty_like(src)
+    best = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        files.checksum(memoryview(dst.numpy()))
+        best.append(time.perf_counter() - t0)
+    return statistics.median(best)
+
+
+def launch_bound(nbytes: int, folder: Path, rounds: int = 3) -> dict:
+    """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
+    run in this process (world size 1, gloo)."""
+    import torch.distributed as dist
+
+    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+    from titan_ckpt_plus.telemetry import EventLog
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    n = nbytes // 4 // 16
+    state = {"model": {f"w{i}": torch.randn(n) for i in range(16)}, "train_state": {"step": 0}}
+    s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 1, 2, 2, 0, 1, True, job_id="bench")
+    ck = TieredCheckpointer(s, lambda: state, EventLog(None))
+
+    def loop(k: int = 4000) -> float:
+        x = torch.ones(4)
+        t0 = time.perf_counter()
+        for _ in range(k):
+            x = x + 1
+        return time.perf_counter() - t0
+
+    alone = [loop() for _ in range(15)]
+    during = []
+    for step in range(1, rounds + 1):
+        ck.save(step)
+        ck.wait_for_staging()
+        busy = threading.Thread(target=ck.flush)
+        busy.start()
+        while busy.is_alive():
+            during.append(loop())
+        busy.join()
+    ck.close()
+    dist.destroy_process_group()
+    return {"alone_s": statistics.median(alone), "during_s": statistics.median(during), "samples": len(during)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--update", type=Path)
+    ap.add_argument("--models", default=",".join(MODELS))
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    rows, targets = [], []
+    for flavor in args.models.split(","):
+        work_on, work_off = base / f"{flavor}-tiers", base / f"{flavor}-off"
+        _, rss_off = run_job(work_off, flavor, tiers=False)
+        _, rss_on = run_job(work_on, flavor, tiers=True)
+        commits = ckpt_events(work_on, "local_commit")
+        rank_bytes = statistics.median(e["bytes"] for e in commits)
+        steps = classify_steps(work_on, MODELS[flavor][2])
+        und = statistics.median(steps["undisturbed"])
+        floor = floor_s(int(rank_bytes)) / und
+        infl = {k: statistics.median(steps[k]) / und - 1 for k in ("local", "drain") if steps[k]}
+        limits = pooled_limits([machine_limits(int(rank_bytes), work_on / "dump" / "checkpoint" / "bw")])
+        drain_s = statistics.median(e["background_write_s"] for e in ckpt_events(work_on, "pfs_commit"))
+        bound_s = 2 * rank_bytes / limits["write_Bps"]
+        extra = rss_on - rss_off
+        rows.append(f"| {flavor} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
+                    f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
+                    f"{drain_s:.2f} s / {bound_s:.2f} s = {drain_s / bound_s:.1f}x | "
+                    f"{rss_off / 2**30:.2f} / {rss_on / 2**30:.2f} GiB: {extra / rank_bytes:.1f}x |")
+        for k in ("local", "drain"):
+            if k in infl:
+                targets.append((f"{flavor}: step inflation during a " + ("local save" if k == "local" else "PFS drain"), f"{infl[k]:+.3f} of a step",
+                                f"<= floor {floor:.3f} + 0.03", infl[k] <= floor + 0.03))
+        targets.append((f"{flavor}: drain time / (node bytes / PFS bw)", f"{drain_s / bound_s:.1f}x", "<= 1.5x",
+                        drain_s / bound_s <= 1.5))
+        targets.append((f"{flavor}: extra peak RSS / state bytes", f"{extra / rank_bytes:.1f}x", "<= 1.1x",
+                        extra / rank_bytes <= 1.1))
+        if flavor == "100M":
+            lb = launch_bound(int(rank_bytes), base / "launch")
+            slow = lb["during_s"] / lb["alone_s"] - 1
+            targets.append(("launch-bound loop slowed by a concurrent save + drain (100M state)",
+                            f"{slow:+.1%}", "<= 5%", slow <= 0.05))
+    body = "\n".join([
+        "Command: `.venv/bin/python scripts/bench_overhead.py --update BENCHMARKS.md` "
+        f"({time.strftime('%Y-%m-%d')}, 2 CPU ranks, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}).",
+        "",
+        "| model | state per rank | undisturbed step | floor (copy + CRC, share of a step) | "
+        "inflation, local save | inflation, PFS drain | drain / bound | peak RSS off / on: extra per state byte |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows, "",
+        "| target | measured | wanted | met? |", "|---|---|---|---|",
+        *[f"| {w} | {m} | {t} | {'met' if ok else '**NOT met**'} |" for w, m, t, ok in targets],
+    ])
+    print(body)
+    record_targets("overhead", targets)
+    if args.update:
+        update_section(args.update, SECTION, body)
+
+
+if __name__ == "__main__":
+    main()
