@@ -46,7 +46,16 @@ def test_threads_a_background_thread_starts_inherit_its_priority():
     assert seen["nice"] == min(19, base + 5)
 
 
-@pytest.mark.parametrize("bad", [-1, 20])
+def test_auto_lowers_only_with_an_accelerator():
+    ckpt = config.Checkpoint()
+    assert ckpt.background_nice == -1
+    assert config.background_nice(ckpt, accelerator=True) == 10
+    assert config.background_nice(ckpt, accelerator=False) == 0
+    ckpt.background_nice = 3
+    assert config.background_nice(ckpt, accelerator=False) == 3
+
+
+@pytest.mark.parametrize("bad", [-2, 20])
 def test_background_nice_out_of_range_is_refused_naming_the_key(bad, tmp_path):
     ckpt = config.Checkpoint(tier_local=True, local_folder=str(tmp_path / "l"), background_nice=bad)
     ckpt.enable, ckpt.interval, ckpt.keep_latest_k, ckpt.folder = True, 10, 3, "checkpoint"

@@ -46,6 +46,20 @@ def test_roundtrip_is_bit_exact_and_layout_loads_without_classes():
     assert back["dataloader"]["io"] == b"x" and back["train_state"]["step"] == 7
 
 
+def test_own_storage_rebuild_shares_the_bytes_and_owns_exact_storages():
+    """What the drain hands dcp.save: no copy, and no tensor DCP would clone first."""
+    state = _state()
+    layout, data = _stage(state)
+    back = staging.rebuild(layout, data, own_storage=True)
+    lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
+    for key in ("w", "flags", "bf"):
+        t = back[key]
+        assert torch.equal(t, state[key]) and t.untyped_storage().size() == t.nbytes
+        assert lo <= t.data_ptr() < hi  # a view of the read buffer, not a copy
+    assert torch.equal(back["optimizer"]["state.w.exp_avg"], state["optimizer"]["state.w.exp_avg"])
+    assert back["empty"].shape == (0, 3)
+
+
 def test_layout_refuses_pickled_classes():
     import pickle
 

@@ -59,7 +59,7 @@ class TierSettings:
     # the copy then completes inside save(), so the staged state is the step boundary's.
     overlap_copy: bool = True
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
-    background_nice: int = 10  # the writer's and the drain's CPU nice increment; lowest BE I/O
+    background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
 
     @property
     def layout_tag(self) -> dict:
@@ -132,7 +132,7 @@ class TieredCheckpointer:
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
         self.commit_pg = dist.new_group(backend="gloo")
-        self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self._failed,
+        self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self.record_failure,
                               self._drained, self._info)
         self.drain.last_committed = lambda: self.stats.last_committed
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
@@ -184,7 +184,7 @@ class TieredCheckpointer:
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
             job.progress.fail()
-            self._failed("local", step, f"staging: {e!r}")
+            self.record_failure("local", step, f"staging: {e!r}")
         if tensors is not None:
             self._buffer_free.clear()
         self._write_q.put(job)  # before the copy starts: the writer wakes meanwhile
@@ -216,7 +216,7 @@ class TieredCheckpointer:
             job.ok = True
         except Exception as e:
             job.progress.fail()
-            self._failed("local", job.step, f"staging copy: {e!r}")
+            self.record_failure("local", job.step, f"staging copy: {e!r}")
         finally:
             copy.issued.set()  # a copy that failed before it began must not hang the wait
             job.staging_s = time.monotonic() - job.started
@@ -397,7 +397,7 @@ class TieredCheckpointer:
 
     # ---- background side ------------------------------------------------------
 
-    def _failed(self, tier: str, step: int, why: str) -> None:
+    def record_failure(self, tier: str, step: int, why: str) -> None:
         if tier == "pfs":
             self.stats.failed_drains += 1
         elif tier == "replica":
@@ -435,7 +435,7 @@ class TieredCheckpointer:
                     why = repr(e)
                     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                         why += f"; local disk full: {self.local.disk_full_note()}"
-                    self._failed("local", job.step, why)
+                    self.record_failure("local", job.step, why)
                 own = None
         job.staged.wait()
         staged_ok = job.ok  # the staging copy's outcome; a failed copy also failed the write
@@ -455,7 +455,7 @@ class TieredCheckpointer:
                                          self.commit_pg)
         if not committed:
             if job.ok:
-                self._failed("local", job.step, "another rank's part failed")
+                self.record_failure("local", job.step, "another rank's part failed")
             if job.pfs_due and drainable:
                 self.drain.submit(job)  # from this rank's uncommitted part or memory
             else:
@@ -467,7 +467,7 @@ class TieredCheckpointer:
             self.local.commit(job.step, {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
                                          "node_ranks": self.s.node_ranks})
         except OSError as e:  # not a recovery candidate on this node; the drain goes on as voted
-            self._failed("local", job.step, f"commit marker: {e!r}")
+            self.record_failure("local", job.step, f"commit marker: {e!r}")
         else:
             self.stats.saves += 1
             self.stats.last_committed = job.step
@@ -528,7 +528,7 @@ class TieredCheckpointer:
                 received += part.nbytes()
             except Exception as e:
                 ok = False
-                self._failed("replica", job.step, f"copy of rank {src}: {e}")
+                self.record_failure("replica", job.step, f"copy of rank {src}: {e}")
         seconds = time.monotonic() - t0
         sent = (own.nbytes() if own else 0) * len(peers)
         self.events.record("replication", step=job.step, seconds=seconds, bytes_sent=sent,

@@ -80,11 +80,14 @@ class Checkpoint:
     titan_ckpt_plus/job.json was lost); the job that made them must not be restarted.
     To start from another job's weights instead, use initial_load_path."""
 
-    background_nice: int = 10
+    background_nice: int = -1
     """How far below the training thread the checkpointer's background threads run
     (the local writer with its replication and retention, the PFS drain): their CPU
     nice value is raised by this much and their I/O goes to the lowest best-effort
-    level, per thread (Linux). 0 runs them at training's priority."""
+    level, per thread (Linux). 0 runs them at training's priority. -1 (auto): 10 with
+    an accelerator, where training's threads mostly wait for the device; 0 on a
+    CPU-only machine, where training keeps every core busy and a lowered writer would
+    commit each step several steps late."""
 
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
@@ -139,6 +142,11 @@ def _validate_adaptive(ckpt) -> None:
     if ckpt.interval_formula not in ("young", "daly"):
         raise ConfigError(f"[checkpoint] interval_formula = {ckpt.interval_formula!r} is unknown. "
                           'Fix: "young" or "daly".')
+
+
+def background_nice(ckpt, accelerator: bool) -> int:
+    """The nice increment of the background threads, `auto` (-1) resolved."""
+    return ckpt.background_nice if ckpt.background_nice >= 0 else (10 if accelerator else 0)
 
 
 def validate(ckpt, dump_folder: str) -> None:
@@ -204,10 +212,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] preemption_grace_s = {ckpt.preemption_grace_s} is invalid. "
             "Fix: the seconds a preempted job may take to stop (e.g. 25), or 0 to die at once.")
-    if not 0 <= getattr(ckpt, "background_nice", 10) <= 19:
+    if not -1 <= getattr(ckpt, "background_nice", -1) <= 19:
         raise ConfigError(
             f"[checkpoint] background_nice = {ckpt.background_nice} is invalid. Fix: 0 (background "
-            "threads at training's priority) to 19 (lowest); 10 is the default.")
+            "threads at training's priority) to 19 (lowest), or -1 (auto, the default).")
     _validate_adaptive(ckpt)
     local = resolve_local_folder(ckpt.local_folder)
     pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))

@@ -64,14 +64,15 @@ class PfsDrain:
         self._q.task_done()
 
     def _state(self, job):
-        """The step's state, rebuilt on the bytes: the staged buffer if the local write
-        failed, else the committed local part."""
+        """The step's state, rebuilt on the bytes without a copy: the staged buffer if
+        the local write failed, else the committed local part as read. Each tensor on a
+        storage of its own bytes, so DCP does not clone it before writing."""
         if job.memory is not None:
-            return staging.rebuild(job.layout, job.memory, job.specs)
+            return staging.rebuild(job.layout, job.memory, job.specs, own_storage=True)
         layout_bytes, data, _ = self.local.read_part(job.step)
         layout = staging.StateLayout.from_bytes(layout_bytes)
         buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-        return staging.rebuild(layout, buf, job.specs)
+        return staging.rebuild(layout, buf, job.specs, own_storage=True)
 
     def _drain(self, job) -> None:
         t0 = time.monotonic()

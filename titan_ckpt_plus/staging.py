@@ -212,16 +212,30 @@ def _groups(layout: StateLayout, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def rebuild(layout: StateLayout, buffer: torch.Tensor, specs: dict | None = None) -> Any:
+def own_view(raw, e: TensorEntry) -> torch.Tensor:
+    """Like tensor_view, but over a storage of exactly the tensor's bytes of `raw` (a
+    writable buffer; still no copy): DCP writes such a tensor as it is, where it clones
+    a view into a larger storage first."""
+    dtype = getattr(torch, e.dtype)
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8, count=e.nbytes, offset=e.offset).view(dtype).view(e.shape)
+
+
+def rebuild(layout: StateLayout, buffer: torch.Tensor, specs: dict | None = None,
+            own_storage: bool = False) -> Any:
     """The state with its tensors as views of `buffer` (no copy). With `specs`, the
-    entries that were DTensors become DTensors again (host shards), as DCP needs."""
+    entries that were DTensors become DTensors again (host shards), as DCP needs.
+    `own_storage`: each tensor on a storage of its own bytes (own_view), for dcp.save."""
     specs = specs or {}
+    raw = buffer.numpy() if own_storage else None
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, dict):
             if set(obj) == {"__tensor__"}:
                 i = obj["__tensor__"]
-                t = tensor_view(buffer, layout.entries[i])
+                e = layout.entries[i]
+                t = own_view(raw, e) if own_storage else tensor_view(buffer, e)
                 return DTensor(t, specs[i], requires_grad=False) if i in specs else t
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, list):

@@ -83,7 +83,7 @@ class TieredCheckpointManager(_StockManager):
             replication_backend=checkpoint_config.replication_backend,
             overlap_copy=not in_backward,
             last_step_export=self._last_step_is_export(),
-            background_nice=checkpoint_config.background_nice,
+            background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
@@ -252,14 +252,18 @@ class TieredCheckpointManager(_StockManager):
             return OptimizerStateCache(opt.model_parts, opt.optimizers)
         return None
 
-    def _capture(self) -> dict:
+    def _state(self) -> dict:
         """The same state stock torchtitan hands to dcp.save, with every Stateful
         resolved to its state_dict(), so DCP sees identical keys after the drain."""
         cached = self._optimizer_state
-        state = {k: cached.state_dict() if cached is not None and k == tt_checkpoint.OPTIMIZER
-                 else v.state_dict() if isinstance(v, Stateful) else v
-                 for k, v in self._flattened_model_states_sd().items()}
-        self._digests.record("save", self._saving_step, state, dist.get_world_size())  # test hook
+        return {k: cached.state_dict() if cached is not None and k == tt_checkpoint.OPTIMIZER
+                else v.state_dict() if isinstance(v, Stateful) else v
+                for k, v in self._flattened_model_states_sd().items()}
+
+    def _capture(self) -> dict:
+        """The state at this save point, for the tiers (and its digest: a test hook)."""
+        state = self._state()
+        self._digests.record("save", self._saving_step, state, dist.get_world_size())
         return state
 
     def _layout_tag(self, world: int) -> dict:
@@ -321,12 +325,13 @@ class TieredCheckpointManager(_StockManager):
             self._save_last_step(step)  # stock: synchronous, on every rank
             nbytes = pfs.record_export(step, fmt, str(self.export_dtype)) if dist.get_rank() == 0 else 0
         except BaseException as e:  # DCP's CheckpointException is a BaseException
-            self.tiered._failed("export", step, describe(e))
+            self.tiered.record_failure("export", step, describe(e))
             return
         seconds = time.monotonic() - t0
-        self.tiered._info(f"[titan_ckpt_plus] last step {step}: torchtitan's export ({what}, {fmt}) at "
-                    f"{pfs.export_dir(step)} in {seconds:.2f}s; the full state for resuming is "
-                    f"in the local tier and at {pfs.step_dir(step)}")
+        if dist.get_rank() == 0:
+            logger.info(f"[titan_ckpt_plus] last step {step}: torchtitan's export ({what}, {fmt}) at "
+                        f"{pfs.export_dir(step)} in {seconds:.2f}s; the full state for resuming is "
+                        f"in the local tier and at {pfs.step_dir(step)}")
         self.events.record("export", step=step, path=pfs.export_dir(step), format=fmt,
                            model_only=bool(self.last_save_model_only),
                            dtype=str(self.export_dtype), bytes=nbytes, seconds=seconds)
@@ -428,22 +433,14 @@ class TieredCheckpointManager(_StockManager):
         self.tiered.resumed_at(rec.step)
         if self._digests.path:
             loaded = self._states_to_load(model_only=False)
-            self._digests.record("load", rec.step, {k: v for k, v in self._capture_plain().items()
-                                                    if k in loaded}, dist.get_world_size())
+            self._digests.record("load", rec.step, {k: v for k, v in self._state().items() if k in loaded},
+                                 dist.get_world_size())
         self._ledger_after_recovery(rec.tier, rec.step, seconds)
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
                            job_id=self.job.job_id,
                            bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
                            skipped=[list(x) for x in rec.skipped])
         return True
-
-    def _capture_plain(self) -> dict:
-        """_capture() without the save-point digest: what a save would stage now."""
-        path, self._digests.path = self._digests.path, None
-        try:
-            return self._capture()
-        finally:
-            self._digests.path = path
 
     def _load_local(self, saved: dict) -> None:
         for key, live in self._states_to_load(model_only=False).items():
