@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from harness import ckpt_events, losses, torchrun
+from harness import ckpt_events, events, losses, torchrun
 from titan_ckpt_plus import digest
 
 pytestmark = pytest.mark.e2e
@@ -56,6 +56,12 @@ def _recovered(work) -> dict:
     return recs[-1]
 
 
+def _since_recovery(work) -> list[dict]:
+    recs = events(work / "dump" / "titan_ckpt_plus" / "events.jsonl")
+    last = max(i for i, e in enumerate(recs) if e["event"] == "recovery")
+    return recs[last + 1:]
+
+
 def _loads_match_saves(work, nproc: int, step: int) -> None:
     records = digest.read(str(work / "digests"))
     loads = [r for r in records if r["when"] == "load" and r["step"] == step]
@@ -74,6 +80,9 @@ def test_killed_at_step_6_resumes_from_local_step_4(name, tmp_path):
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)
     _loads_match_saves(work, nproc, 4)
     assert sorted(losses(work, "run2.jsonl")) == [5, 6, 7, 8]
+    after = _since_recovery(work)  # the resumed run drained its steps to the PFS, none failed
+    assert [e["step"] for e in after if e["event"] == "pfs_commit"] == [8]
+    assert not [e for e in after if e["event"] == "save_failed"]
     if exact:
         ref = tmp_path / "reference"
         _ok(torchrun(ref, *args, *STEPS, nproc=nproc))
