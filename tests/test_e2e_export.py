@@ -85,7 +85,9 @@ def test_hf_export_is_written_where_stock_writes_it_and_loads_through_torchtitan
         want, got = load_file(s_dir / name), load_file(p_dir / name)
         assert sorted(got) == sorted(want)
         assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k]) for k in want)
-    proc = _ok(torchrun(fresh, "--training.steps", "1", "--checkpoint.initial_load_path", str(p_dir),
-                        "--checkpoint.initial_load_in_hf", *SAME_DATA))
+    load = ("--training.steps", "1", "--checkpoint.initial_load_in_hf", *SAME_DATA)
+    proc = _ok(torchrun(fresh, "--checkpoint.initial_load_path", str(p_dir), *load))
     assert f"Loading the checkpoint from {p_dir}" in proc.stdout
     assert losses(fresh)[1] != losses(plugin)[1]  # step 1 ran on the exported weights, not a fresh init
+    _ok(torchrun(tmp_path / "fresh_stock", "--checkpoint.initial_load_path", str(s_dir), *load))
+    assert losses(fresh) == losses(tmp_path / "fresh_stock")  # the same weights as stock's export

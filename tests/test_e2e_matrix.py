@@ -67,6 +67,9 @@ def _loads_match_saves(work, nproc: int, step: int) -> None:
     loads = [r for r in records if r["when"] == "load" and r["step"] == step]
     assert sorted(r["rank"] for r in loads) == list(range(nproc))
     assert digest.mismatches(records, strict=True) == []
+    saves = {r["rank"]: r["digest"] for r in records if r["when"] == "save" and r["step"] == step}
+    for r in loads:  # nothing is excluded from loading here: every saved key came back
+        assert set(r["digest"]) == set(saves[r["rank"]]) and {"optimizer", "lr_scheduler"} <= set(r["digest"])
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -75,6 +78,7 @@ def test_killed_at_step_6_resumes_from_local_step_4(name, tmp_path):
     work = tmp_path / "run"
     proc = torchrun(work, *args, *STEPS, nproc=nproc, fault=FAULTS, loss_log="run1.jsonl")
     assert proc.returncode != 0 and "SIGKILL" in proc.stdout, proc.stdout[-4000:]
+    assert "slow_staging at step 4" in proc.stdout  # the late copy did happen
     _ok(torchrun(work, *args, *STEPS, nproc=nproc, loss_log="run2.jsonl"))
     rec = _recovered(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)

@@ -34,6 +34,21 @@ def test_first_start_makes_an_identity_and_later_starts_keep_it(tmp_path):
     assert identity.establish(str(tmp_path / "other")).identity.job_id != est.identity.job_id
 
 
+def test_an_identity_from_before_inodes_gets_one_and_then_survives_a_rename(tmp_path):
+    dump = tmp_path / "dump"
+    (dump / "titan_ckpt_plus").mkdir(parents=True)
+    old = {"format": 1, "job_id": "20260101-000000-abcdef01", "dump_folder": os.path.realpath(dump),
+           "created_at": 0}
+    (dump / "titan_ckpt_plus" / "job.json").write_text(json.dumps(old))
+    est = identity.establish(str(dump))
+    assert est.write and est.identity.job_id == old["job_id"]
+    identity.commit(est)
+    raw = json.loads((dump / "titan_ckpt_plus" / "job.json").read_text())
+    assert raw["dump_inode"] == os.stat(dump).st_ino
+    dump.rename(tmp_path / "renamed")
+    assert identity.establish(str(tmp_path / "renamed")).identity.job_id == old["job_id"]
+
+
 @pytest.mark.parametrize("content, reason", [
     (b"{not json", "not JSON"),
     (b"[1, 2]", "not a JSON object"),

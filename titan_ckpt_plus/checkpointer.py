@@ -134,7 +134,6 @@ class TieredCheckpointer:
         self.commit_pg = dist.new_group(backend="gloo")
         self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self.record_failure,
                               self._drained, self._info)
-        self.drain.last_committed = lambda: self.stats.last_committed
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
         self.policy = policy  # adaptive: sets the intervals; else only compared with them
         # The training thread's own group (interval decisions, preemption agreement):
@@ -336,8 +335,8 @@ class TieredCheckpointer:
         rec = Recovery(None)
         reports: list = [None] * self.s.world_size
         tags = self.s.layout_tags
-        dist.all_gather_object(reports, (self.local.held_parts(tags), self.local.other_layout_steps(tags)),
-                               group=self.commit_pg)
+        held = self.local.held_parts(tags)
+        dist.all_gather_object(reports, (held, self.local.other_layout_steps(held)), group=self.commit_pg)
         other = {s: why for _, o in reports for s, why in o.items()}
         reports = [held for held, _ in reports]
         for step in sorted(s for s in other if not any(s in r for r in reports)):

@@ -36,7 +36,6 @@ class PfsDrain:
         self.pg = dist.new_group(backend="gloo")
         self.steps: set[int] = set()  # queued or in flight: retention keeps them
         self.last_seconds = 0.0
-        self.last_committed = lambda: -1  # for the lag figure; set by the engine
         self._q: queue.Queue = queue.Queue()
         self._thread = start_thread(self._loop, "ckpt-pfs-drainer")
 
@@ -99,7 +98,7 @@ class PfsDrain:
                    f"in {self.last_seconds:.3f}s (background)")
         self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
                            background_write_s=self.last_seconds,
-                           drain_lag_steps=self.last_committed() - job.step)
+                           drain_lag_steps=self.stats.last_committed - job.step)
         try:
             self.pfs.purge()
         except OSError as e:

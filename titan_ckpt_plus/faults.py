@@ -59,4 +59,6 @@ def maybe_fail(kind: str, step: int) -> None:
 
 def maybe_delay(kind: str, step: int, seconds: float = 1.5) -> None:
     if _armed(kind, step):
+        print(f"[titan_ckpt_plus.faults] {kind} at step {step}: {seconds:g}s late on rank "
+              f"{os.environ.get('RANK', '0')}", flush=True)
         time.sleep(seconds)

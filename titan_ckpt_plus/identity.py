@@ -163,7 +163,10 @@ def establish(dump_folder: str, adopt: str = "", now: float | None = None) -> Es
     path, here = job_file(dump_folder), os.path.realpath(dump_folder)
     r = resolve(dump_folder)
     if r.found:
-        est = Established(r.found, write=bool(r.moved), notes=[r.moved] if r.moved else [])
+        # An identity written before inodes were recorded gets one now, so a later
+        # rename of its dump folder keeps the job's identity too.
+        est = Established(r.found, write=bool(r.moved) or not r.found.dump_inode,
+                          notes=[r.moved] if r.moved else [])
     else:
         est = Established(JobIdentity(new_job_id(now), here, now), write=True,
                           set_aside=path if r.bad else "")

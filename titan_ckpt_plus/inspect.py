@@ -26,6 +26,7 @@ from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, No
 PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
 FULL_STATE = "full_state"  # == tiers.pfs.FULL_STATE
+HF_INDEX = "model.safetensors.index.json"  # == tiers.pfs.HF_INDEX
 PLUGIN_DIR = identity.PLUGIN_DIR
 EVENTS = "events.jsonl"
 LOCAL_ROOTS = "local_roots.json"
@@ -100,14 +101,22 @@ def step_kind(step_dir: str) -> str:
 
 
 def pfs_folders(dump_folder: str) -> list[str]:
-    """Folders directly under the dump folder that hold PFS (DCP) steps; torchtitan's
-    `[checkpoint] folder` is configurable, so any child with such steps counts."""
+    """Folders directly under the dump folder that hold PFS (DCP) steps, with their
+    full_state/; torchtitan's `[checkpoint] folder` is configurable, so any child with
+    such steps counts."""
     out, dump_folder = [], os.path.abspath(dump_folder)
     for name in sorted(os.listdir(dump_folder)) if os.path.isdir(dump_folder) else []:
         path = os.path.join(dump_folder, name)
         if name != PLUGIN_DIR and any(step_kind(d) == "pfs" for _, d in _step_dirs(path)):
-            out.append(path)
+            out += _and_full_state(path)
     return out
+
+
+def _and_full_state(folder: str) -> list[str]:
+    """A PFS folder and, if there, its full_state/ (the last steps' full state, beside
+    their exports)."""
+    full = os.path.join(folder, FULL_STATE)
+    return [folder, full] if os.path.isdir(full) else [folder]
 
 
 # ---- ls -------------------------------------------------------------------
@@ -177,6 +186,8 @@ def _export_note(path: str) -> str:
     """"" or what the last-step export in `path` is, as its manifest says (tiers/pfs.py)."""
     try:
         m = files.read_json(os.path.join(path, PFS_MANIFEST))
+    except FileNotFoundError:  # stock torchtitan's HF export has no manifest
+        return "export (HF safetensors, stock)" if os.path.isfile(os.path.join(path, HF_INDEX)) else ""
     except (OSError, ValueError):
         return ""
     if not isinstance(m, dict) or m.get("kind") != "export":
@@ -221,8 +232,6 @@ def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[
     for folder in pfs:
         notes.append(f"PFS folder {folder}")
         steps += [pfs_step(folder, s, d) for s, d in _step_dirs(folder)]
-        full = os.path.join(folder, FULL_STATE)  # the last steps' full state, beside their exports
-        steps += [pfs_step(full, s, d) for s, d in _step_dirs(full)]
     return steps, notes
 
 
@@ -487,7 +496,7 @@ def verify_path(path: str, extra_roots: list[str] | None = None) -> tuple[list[C
         return verify_step(path), []
     notes, folders = [], []
     if _step_dirs(path):
-        folders.append(path)
+        folders += _and_full_state(path)
     if is_node_folder(path):
         folders += [j.path for j in node_jobs(path) if j.job_id is not None]
     elif not folders:  # a dump folder
@@ -498,7 +507,6 @@ def verify_path(path: str, extra_roots: list[str] | None = None) -> tuple[list[C
             else:
                 notes.append(f"local root {root} (from {src}): not visible from this host, not checked")
         folders += pfs_folders(path)
-    folders += [full for f in list(folders) if os.path.isdir(full := os.path.join(f, FULL_STATE))]
     for root in extra_roots or []:
         if os.path.abspath(root) not in folders and os.path.isdir(root):
             folders.append(os.path.abspath(root))

@@ -360,17 +360,18 @@ class LocalTier:
                 out[s] = sorted(ranks)
         return out
 
-    def other_layout_steps(self, layout_tags: list[dict]) -> dict[int, str]:
+    def other_layout_steps(self, held: dict[int, list[int]]) -> dict[int, str]:
         """Committed steps of this job with no part that fits this layout (a changed
-        world size or sharding) -> why: never loaded from here, but worth a line in
-        the log, and a refusal if nothing else can be loaded."""
-        held, out = self.held_parts(layout_tags), {}
+        world size or sharding; `held` is held_parts() of this layout) -> why: never
+        loaded from here, but worth a line in the log, and a refusal if nothing else
+        can be loaded."""
+        out = {}
         for s in self.committed_steps():
             commit = self._commit_record(s)
             if s in held or commit.get("job_id") != self.job_id:
                 continue
             was = commit.get("world_size")
-            out[s] = (f"saved at world size {was}, now {len(layout_tags)}" if was != len(layout_tags)
+            out[s] = (f"saved at world size {was}, now {self.world_size}" if was != self.world_size
                       else "saved with another parallel layout") + " (only a PFS step reshards)"
         return out
 

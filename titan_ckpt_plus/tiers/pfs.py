@@ -143,17 +143,12 @@ class PfsTier:
         self._clear(path, pg)
         writer = HookedWriter(path, before_write) if before_write else None
         dcp.save(state, checkpoint_id=path, storage_writer=writer, process_group=pg)
-        mine = {}
-        for name in sorted(os.listdir(path)):
-            if name.startswith(f"__{self.rank}_"):
-                size, crc = files.checksum_file(os.path.join(path, name))
-                mine[name] = {"size": size, files.SUM: crc}
+        mine = _checksums(path, [n for n in sorted(os.listdir(path)) if n.startswith(f"__{self.rank}_")])
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=pg)
         if self.rank == 0:
             allfiles = {k: v for part in gathered for k, v in part.items()}
-            size, crc = files.checksum_file(os.path.join(path, ".metadata"))
-            allfiles[".metadata"] = {"size": size, files.SUM: crc}
+            allfiles.update(_checksums(path, [".metadata"]))
             files.atomic_write_json(os.path.join(path, MANIFEST),
                                     {"step": step, "job_id": self.job_id, "kind": "full",
                                      "files": allfiles})
@@ -183,13 +178,8 @@ class PfsTier:
         export of this job (never loaded, never purged), with every file's checksum.
         Returns the export's bytes."""
         path = self._dir(step)
-        allfiles = {}
-        for root, _, names in os.walk(path):
-            for name in names:
-                rel = os.path.relpath(os.path.join(root, name), path)
-                if rel != MANIFEST:
-                    size, crc = files.checksum_file(os.path.join(root, name))
-                    allfiles[rel] = {"size": size, files.SUM: crc}
+        names = [os.path.relpath(os.path.join(root, n), path) for root, _, ns in os.walk(path) for n in ns]
+        allfiles = _checksums(path, [n for n in names if n != MANIFEST])
         files.atomic_write_json(os.path.join(path, MANIFEST),
                                 {"step": step, "job_id": self.job_id, "kind": "export",
                                  "format": fmt, "dtype": dtype, "files": allfiles})
@@ -246,6 +236,15 @@ class PfsTier:
         for s in old:
             shutil.rmtree(self.step_dir(s), ignore_errors=True)
         return old
+
+
+def _checksums(path: str, names: list[str]) -> dict:
+    """name -> {size, crc32c} of files under `path`: a manifest's "files"."""
+    out = {}
+    for name in names:
+        size, crc = files.checksum_file(os.path.join(path, name))
+        out[name] = {"size": size, files.SUM: crc}
+    return out
 
 
 def _complete(folder: str) -> list[int]:
