@@ -75,7 +75,8 @@ def test_wiped_node_recovers_from_its_neighbor_never_from_another_jobs_parts(ref
     other_id = job_dir(reference).name[len("job-"):]
     found = ckpt_events(work, "foreign_local_steps")
     assert sorted(f["jobs"][0]["job_id"] for f in found) == [other_id, other_id]
-    assert "holds other jobs' local steps, ignored" in procs[0].stdout
+    # rank 0 may be on either agent: the c10d rendezvous assigns ranks in join order
+    assert sum("holds other jobs' local steps, ignored" in p.stdout for p in procs) == 1
     for node in ("0", "1"):
         assert sorted(p.name for p in (work / "local" / node / f"job-{other_id}").glob("step-*/COMMIT.json")
                       for p in [p.parent]) == ["step-10", "step-12", "step-8"]
