@@ -141,83 +141,54 @@ def launch_bound(nbytes: int, folder: Path, nice: int, rounds: int = 3) -> dict:
     return {"alone_s": statistics.median(alone), "during_s": statistics.median(during), "samples": len(during)}
 
 
-def _frame(t: torch.Tensor) -> tuple[bytes, bytes]:
-    """torch.save's bytes around a tensor's data (CRC-32 off, so they do not depend on
-    the data): what DCP's reader torch.loads for every tensor item."""
-    import io
-    import struct
-    import zipfile
-
-    from torch.utils.serialization import config
-
-    was, config.save.compute_crc32 = config.save.compute_crc32, False
-    try:
-        b = io.BytesIO()
-        torch.save(torch.empty(t.shape, dtype=t.dtype), b)
-    finally:
-        config.save.compute_crc32 = was
-    raw = b.getvalue()
-    info = next(i for i in zipfile.ZipFile(io.BytesIO(raw)).infolist() if i.filename.endswith("/data/0"))
-    n, m = struct.unpack("<HH", raw[info.header_offset + 26: info.header_offset + 30])
-    start = info.header_offset + 30 + n + m
-    return raw[:start], raw[start + info.file_size:]
-
-
-def framed_copy(nbytes: int, folder: Path) -> dict:
-    """Whether and at what cost a PFS step can be made without re-serializing: a rank's
-    tensors written as torch.save frames around their raw bytes (the form a local part
-    could have), then turned into a DCP step by a plain file copy plus a .metadata, and
-    loaded back by dcp.load. Against dcp.save of the same state, in this process."""
-    import pickle
-
+def drain_paths(nbytes: int, folder: Path) -> dict:
+    """One rank's state made a PFS step three ways, in one idle process (world size 1):
+    `dcp.save` of it (what the drain did before the local part was framed); the drain
+    as it is, PartCopyWriter (the framed local part read once with its CRC-32C checked,
+    the items written with theirs); and a kernel copy of the same file
+    (`copy_file_range`, nothing checked) as the least a copy can cost. Each fsync'd,
+    the best of three. The copied step must load back equal to the state."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
+    from harness import free_port
+    from titan_ckpt_plus import staging
+    from titan_ckpt_plus.tiers.local import LocalTier
+    from titan_ckpt_plus.tiers.pfs import PfsTier
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    pg = dist.new_group(backend="gloo")
     n = nbytes // 4 // 16
     state = {"model": {f"w{i}": torch.randn(n) for i in range(16)}, "train_state": {"step": 3}}
-    ref, part, step = folder / "dcp_save", folder / "part.data", folder / "copied"
-    t0 = time.perf_counter()
-    dcp.save(state, checkpoint_id=str(ref), no_dist=True)
-    dcp_s = time.perf_counter() - t0
-    md = FileSystemReader(str(ref)).read_metadata()
-    frames = {k: _frame(t) for k, t in state["model"].items()}  # once per layout
-    t0 = time.perf_counter()
-    offsets, crc = {}, 0
-    with open(part, "wb") as f:  # the local part in DCP's per-rank form
-        for k, t in state["model"].items():
-            pre, post = frames[k]
-            offsets[k] = (f.tell(), len(pre) + t.nbytes + len(post))
-            for piece in (pre, memoryview(t.numpy()).cast("B"), post):
-                f.write(piece)
-                crc = files.checksum(piece, crc)
-        f.flush()
-        os.fsync(f.fileno())
-    framed_write_s = time.perf_counter() - t0
-    step.mkdir(parents=True)
-    t0 = time.perf_counter()
-    with open(part, "rb") as src, open(step / "__0_0.distcp", "wb") as dst:
-        left = os.fstat(src.fileno()).st_size
-        while left:  # kernel-level copy, no pass through user space
-            left -= os.copy_file_range(src.fileno(), dst.fileno(), left)
-        tail = dst.tell()
-        blobs = {}
-        for idx, info in md.storage_data.items():  # the non-tensor items: small, per save
-            if not idx.fqn.startswith("model."):
-                with open(ref / info.relative_path, "rb") as r:
-                    r.seek(info.offset)
-                    dst.write(r.read(info.length))
-                blobs[idx] = (tail, info.length)
-                tail += info.length
-        os.fsync(dst.fileno())
-    for idx, info in md.storage_data.items():
-        at, length = offsets[idx.fqn[len("model."):]] if idx.fqn.startswith("model.") else blobs[idx]
-        info.relative_path, info.offset, info.length = "__0_0.distcp", at, length
-    (step / ".metadata").write_bytes(pickle.dumps(md))
-    copy_s = time.perf_counter() - t0
+    layout, tensors, specs = staging.plan_layout(state)
+    buf = staging.HostBuffer(pin=False)
+    buf.copy_in(layout, tensors)
+    local = LocalTier(str(folder / "local"), 0, 1, True, 2, job_id="bench")
+    local.write_part(3, buf.data[: layout.total_bytes].numpy(), lambda: (layout.to_bytes(), {}))
+    pfs = PfsTier(str(folder / "pfs"), 0, 1, 0, job_id="bench")
+    src = local._part(3, "data")
+    out = {"dcp_save_s": [], "copy_s": [], "kernel_s": []}
+    for i in range(3):
+        t0 = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(folder / f"dcp{i}"), process_group=pg)
+        out["dcp_save_s"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        pfs.save(3 + i, staging.rebuild(layout, None, specs), layout, local.data_pieces(3), pg)
+        out["copy_s"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with open(src, "rb") as f, open(folder / f"kernel{i}", "wb") as g:
+            left = os.fstat(f.fileno()).st_size
+            while left:
+                left -= os.copy_file_range(f.fileno(), g.fileno(), left)
+            os.fsync(g.fileno())
+        out["kernel_s"].append(time.perf_counter() - t0)
     back = {"model": {k: torch.zeros_like(t) for k, t in state["model"].items()}, "train_state": {"step": 0}}
-    dcp.load(back, checkpoint_id=str(step), no_dist=True)
-    same = all(torch.equal(back["model"][k], t) for k, t in state["model"].items()) and back["train_state"]["step"] == 3
-    return {"dcp_save_s": dcp_s, "framed_write_s": framed_write_s, "copy_s": copy_s, "loads_equal": same}
+    dcp.load(back, checkpoint_id=pfs.step_dir(5), process_group=pg)
+    out = {k: min(v) for k, v in out.items()}
+    out["loads_equal"] = (all(torch.equal(back["model"][k], t) for k, t in state["model"].items())
+                          and back["train_state"]["step"] == 3)
+    dist.destroy_process_group()
+    return out
 
 
 def main() -> None:
@@ -254,12 +225,12 @@ def main() -> None:
         targets.append((f"{flavor}: extra peak RSS / state bytes", f"{extra / rank_bytes:.1f}x", "<= 1.1x",
                         extra / rank_bytes <= 1.1))
         if flavor == "100M":
-            fc = framed_copy(int(rank_bytes), base / "framed")
-            probe = (f"A rank's {rank_bytes / 2**20:.0f} MiB (100M) as a DCP step, one process: `dcp.save` "
-                     f"{fc['dcp_save_s']:.2f} s; written as torch.save frames around the raw bytes (the form a "
-                     f"local part could take, fsync'd, CRC-32C on the way) {fc['framed_write_s']:.2f} s; that part "
-                     f"made a DCP step by `copy_file_range` plus a .metadata {fc['copy_s']:.2f} s; loaded back by "
-                     f"`dcp.load` equal to the state: {'yes' if fc['loads_equal'] else '**no**'}.")
+            fc = drain_paths(int(rank_bytes), base / "paths")
+            probe = (f"A rank's {rank_bytes / 2**20:.0f} MiB (100M) made a PFS step, one idle process, fsync'd, "
+                     f"best of 3: `dcp.save` {fc['dcp_save_s']:.2f} s; the drain's copy of the framed local part "
+                     f"(read once, CRC-32C checked, written with its own) {fc['copy_s']:.2f} s; `copy_file_range` "
+                     f"of the same file, nothing checked {fc['kernel_s']:.2f} s; the copied step loads back "
+                     f"equal: {'yes' if fc['loads_equal'] else '**no**'}.")
             for nice in (0, 10):
                 lb = launch_bound(int(rank_bytes), base / f"launch-{nice}", nice)
                 slow = lb["during_s"] / lb["alone_s"] - 1
@@ -275,7 +246,7 @@ def main() -> None:
         *rows, "",
         "| target | measured | wanted | met? |", "|---|---|---|---|",
         *[f"| {w} | {m} | {t} | {'met' if ok else '**NOT met**'} |" for w, m, t, ok in targets],
-        "", "Drain without re-serializing, probed: " + probe if probe else "",
+        "", "The drain's ways, side by side: " + probe if probe else "",
         "", READING,
     ])
     print(body)

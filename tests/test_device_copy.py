@@ -189,6 +189,7 @@ def _stage_on_fake_gpu(monkeypatch, device_cls=CudaDevice) -> None:
     buf = staging.HostBuffer(pin=False)
     buf.ensure(layout.total_bytes).fill_(255)  # an earlier save's bytes
     want = buf.data.clone()
+    staging.write_frames(want, layout)
     for e, t in zip(layout.entries, tensors):
         staging.tensor_view(want, e).copy_(t + 1)
     progress = CheckedProgress(buf, want)

@@ -46,18 +46,38 @@ def test_roundtrip_is_bit_exact_and_layout_loads_without_classes():
     assert back["dataloader"]["io"] == b"x" and back["train_state"]["step"] == 7
 
 
-def test_own_storage_rebuild_shares_the_bytes_and_owns_exact_storages():
-    """What the drain hands dcp.save: no copy, and no tensor DCP would clone first."""
+def test_each_tensor_sits_in_the_torch_save_frame_dcp_would_write():
+    """The staged buffer is the part's file image: every tensor's frame torch.loads
+    as the tensor itself, and the frames do not depend on the data (CRC-32 off)."""
     state = _state()
     layout, data = _stage(state)
-    back = staging.rebuild(layout, data, own_storage=True)
-    lo, hi = data.data_ptr(), data.data_ptr() + data.numel()
-    for key in ("w", "flags", "bf"):
-        t = back[key]
-        assert torch.equal(t, state[key]) and t.untyped_storage().size() == t.nbytes
-        assert lo <= t.data_ptr() < hi  # a view of the read buffer, not a copy
-    assert torch.equal(back["optimizer"]["state.w.exp_avg"], state["optimizer"]["state.w.exp_avg"])
-    assert back["empty"].shape == (0, 3)
+    raw = data.numpy().tobytes()
+    for e, key in zip(layout.entries, ("w", "state.w.exp_avg", "state.w.step", "flags", "bf", "empty")):
+        want = state[key] if key in state else state["optimizer"][key]
+        start, end = e.frame
+        assert start % staging.ALIGN == 0 and e.offset % staging.ALIGN == 0
+        back = torch.load(io.BytesIO(raw[start:end]), weights_only=True)
+        assert torch.equal(back, want) and back.dtype == want.dtype and back.is_contiguous()
+    other = {k: (torch.randn_like(v) if k == "w" else v) for k, v in state.items()}
+    _, data2 = _stage(other)
+    e = layout.entries[0]
+    assert data2.numpy().tobytes()[e.frame[0]:e.offset] == raw[e.frame[0]:e.offset]
+    assert data2.numpy().tobytes()[e.offset + e.nbytes:e.frame[1]] == raw[e.offset + e.nbytes:e.frame[1]]
+    assert staging.frame("float32", (3, 5)) == staging.frame("float32", (3, 5))
+    meta = staging.rebuild(layout, None)
+    assert meta["w"].is_meta and meta["w"].shape == (3, 5) and meta["bf"].dtype == torch.bfloat16
+    assert meta["train_state"] == state["train_state"]
+
+
+def test_layouts_written_before_frames_still_load():
+    """A local part from before frames (5 fields per entry) is read at its offsets."""
+    import pickle
+
+    layout, data = _stage(_state())
+    d = pickle.loads(layout.to_bytes())
+    d["entries"] = [e[:5] for e in d["entries"]]
+    old = staging.StateLayout.from_bytes(pickle.dumps(d, protocol=4))
+    assert old.entries[0].pre == 0 and torch.equal(staging.rebuild(old, data)["w"], _state()["w"])
 
 
 def test_layout_refuses_pickled_classes():
@@ -292,6 +312,7 @@ def test_staging_progress_never_runs_ahead_of_the_copied_bytes():
     buf = staging.HostBuffer(pin=False)
     buf.ensure(layout.total_bytes).fill_(255)  # stale bytes from an earlier save
     want = buf.data[: layout.total_bytes].clone()
+    staging.write_frames(want, layout)
     for e, t in zip(layout.entries, tensors):
         staging.tensor_view(want, e).copy_(t)
     seen = []
@@ -304,6 +325,6 @@ def test_staging_progress_never_runs_ahead_of_the_copied_bytes():
 
     buf.copy_in(layout, tensors, Checked())
     assert seen == sorted(seen) and seen[-1] == layout.total_bytes and len(seen) >= 5
-    biggest = max(e.nbytes for e in layout.entries) + staging.ALIGN
+    biggest = max(e.frame[1] - e.frame[0] for e in layout.entries) + staging.ALIGN
     assert files.FIRST_CHUNK <= seen[0] < files.FIRST_CHUNK + biggest
     assert staging.COPY_GROUP <= seen[1] - seen[0] < staging.COPY_GROUP + biggest

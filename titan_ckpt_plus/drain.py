@@ -1,9 +1,12 @@
 """The PFS drain: committed local steps -> torchtitan's DCP layout on the PFS.
 
 One background thread, its own gloo group (its collectives never interleave with the
-writer's or training's), at background priority. It reads the committed local part
-(or, when the local disk failed that step, the staged bytes still held in the staging
-buffer), rebuilds the state and hands it to `PfsTier.save`. A failed drain is logged
+writer's or training's), at background priority. The committed local part is already
+a DCP data file (staging.py), so the drain is a copy: `PfsTier.save` reads the part
+once in order, checking its CRC-32C, and writes the items DCP's planner gives this
+rank; DCP plans from the step's state rebuilt on the meta device (no bytes held).
+When the local disk failed that step, the bytes come from the staging buffer, still
+held for this. A failed drain is logged
 and counted; the older PFS steps stay. The training loop never waits for it, except
 when it flushes (the last step, a preemption, close()).
 """
@@ -12,10 +15,10 @@ import queue
 import time
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 
 from titan_ckpt_plus import faults, staging
+from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier, all_ranks, describe
 
@@ -62,30 +65,27 @@ class PfsDrain:
                 self._q.task_done()
         self._q.task_done()
 
-    def _state(self, job):
-        """The step's state, rebuilt on the bytes without a copy: the staged buffer if
-        the local write failed, else the committed local part as read. Each tensor on a
-        storage of its own bytes, so DCP does not clone it before writing."""
+    def _pieces(self, job):
+        """The step's part, in order: the staged buffer if the local write failed, else
+        the committed local file (checked as it is read)."""
         if job.memory is not None:
-            return staging.rebuild(job.layout, job.memory, job.specs, own_storage=True)
-        layout_bytes, data, _ = self.local.read_part(job.step)
-        layout = staging.StateLayout.from_bytes(layout_bytes)
-        buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-        return staging.rebuild(layout, buf, job.specs, own_storage=True)
+            return files.buffer_chunks(job.memory.numpy())
+        return self.local.data_pieces(job.step)
 
     def _drain(self, job) -> None:
         t0 = time.monotonic()
-        state, why = None, ""
+        pieces, why = None, ""
         try:
-            state = self._state(job)
+            pieces = self._pieces(job)
             faults.maybe_fail("eio_pfs_write", job.step)
         except Exception as e:
-            state, why = None, repr(e)
-        if not all_ranks([state is not None], self.pg)[0]:
+            pieces, why = None, repr(e)
+        if not all_ranks([pieces is not None], self.pg)[0]:
             self._failed("pfs", job.step, why or "another rank could not read its part")
             return
+        state = staging.rebuild(job.layout, None, job.specs)
         try:
-            nbytes = self.pfs.save(job.step, state, self.pg,
+            nbytes = self.pfs.save(job.step, state, job.layout, pieces, self.pg,
                                    before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step),
                                    beside_export=job.beside_export)
         except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -8,8 +8,16 @@ write, the PFS drain) reads the buffer or the files made from it.
 A state is a nested structure of dicts/lists/tuples whose leaves are tensors,
 DTensors or plain Python values. DTensors are saved by their local shard: the local
 tier is only ever loaded by the same layout that wrote it.
+
+The buffer is laid out in DCP's own per-rank file form: each tensor's bytes sit
+inside the torch.save frame DCP would write around them (zip headers and pickle
+before, the archive's directory after, CRC-32 off so the frames depend only on
+dtype and shape). The frames are written into the buffer once per layout, so a
+local part is a DCP data file as it stands and the PFS drain copies its bytes
+instead of serializing them again (tiers/pfs.py, PartCopyWriter).
 """
 
+import functools
 import hashlib
 import io
 import json
@@ -33,8 +41,15 @@ class TensorEntry:
     path: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int
+    offset: int  # of the tensor's bytes
     nbytes: int
+    pre: int = 0  # bytes of its torch.save frame before them (0: a part without frames)
+    post: int = 0  # and after them
+
+    @property
+    def frame(self) -> tuple[int, int]:
+        """(start, end) of the torch.save archive around the bytes: a DCP item."""
+        return self.offset - self.pre, self.offset + self.nbytes + self.post
 
 
 @dataclass
@@ -52,7 +67,7 @@ class StateLayout:
         return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
 
     def to_bytes(self) -> bytes:
-        entries = [(e.path, e.dtype, e.shape, e.offset, e.nbytes) for e in self.entries]
+        entries = [(e.path, e.dtype, e.shape, e.offset, e.nbytes, e.pre, e.post) for e in self.entries]
         return pickle.dumps(
             {"skeleton": self.skeleton, "entries": entries, "total": self.total_bytes},
             protocol=4,
@@ -63,7 +78,7 @@ class StateLayout:
         """Call only on checksum-verified bytes; the unpickler still refuses any
         class, so a bad file cannot run code."""
         d = _PlainUnpickler(io.BytesIO(data)).load()
-        entries = [TensorEntry(p, dt, tuple(s), o, n) for p, dt, s, o, n in d["entries"]]
+        entries = [TensorEntry(p, dt, tuple(s), *rest) for p, dt, s, *rest in d["entries"]]
         return StateLayout(d["skeleton"], entries, d["total"])
 
 
@@ -81,6 +96,62 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class _Recorder:
+    """A file object for torch.save that keeps every write but the tensor's bytes:
+    the one write of exactly their length (the archive's other records are small)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.before, self.after, self.seen = nbytes, [], [], False
+
+    def write(self, b) -> int:
+        n = memoryview(b).nbytes
+        if not self.seen and n == self.nbytes:
+            self.seen = True
+        else:
+            (self.after if self.seen else self.before).append(bytes(b))
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+_SMALL = 1 << 16  # below this a tensor's bytes could be mistaken for another record's
+
+
+@functools.lru_cache(maxsize=4096)
+def frame(dtype: str, shape: tuple[int, ...]) -> tuple[bytes, bytes]:
+    """The bytes torch.save writes before and after a contiguous tensor's data, with
+    CRC-32 off (else the archive's directory holds a checksum of the data). Made
+    from a stand-in tensor of the same dtype and shape; a large one goes to a
+    recorder that drops its bytes, so its pages are never touched."""
+    from torch.utils.serialization import config
+
+    t = torch.empty(shape, dtype=getattr(torch, dtype))
+    nbytes = t.numel() * t.element_size()
+    out = _Recorder(nbytes) if nbytes >= _SMALL else io.BytesIO()
+    was, config.save.compute_crc32 = config.save.compute_crc32, False
+    try:
+        torch.save(t, out)
+    finally:
+        config.save.compute_crc32 = was
+    if isinstance(out, io.BytesIO):
+        return _split(out.getvalue(), nbytes)
+    if not out.seen:
+        raise RuntimeError(f"torch.save of {dtype}{list(shape)} did not write its bytes in one piece")
+    return b"".join(out.before), b"".join(out.after)
+
+
+def _split(raw: bytes, nbytes: int) -> tuple[bytes, bytes]:
+    """A whole small archive around its data record (stored, uncompressed)."""
+    import struct
+    import zipfile
+
+    info = next(i for i in zipfile.ZipFile(io.BytesIO(raw)).infolist() if i.filename.endswith("/data/0"))
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26: info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    return raw[:start], raw[start + nbytes:]
+
+
 def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
     """Walk `state`; return its layout, its tensors' local shards in entry order, and
     the DTensor specs by entry index (kept in memory to rebuild DTensors for DCP)."""
@@ -94,14 +165,15 @@ def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
         if isinstance(obj, torch.Tensor):
             local = _local(obj).detach()
             nbytes = local.numel() * local.element_size()
-            entries.append(
-                TensorEntry(path, str(local.dtype).removeprefix("torch."),
-                            tuple(local.shape), offset, nbytes)
-            )
+            dtype, shape = str(local.dtype).removeprefix("torch."), tuple(local.shape)
+            pre, post = frame(dtype, shape)
+            # torch.save aligns the bytes to 64 within its archive: the archive starts
+            # aligned, so the bytes are too
+            entries.append(TensorEntry(path, dtype, shape, offset + len(pre), nbytes, len(pre), len(post)))
             tensors.append(local)
             if isinstance(obj, DTensor):
                 specs[len(entries) - 1] = obj._spec
-            offset += -(-nbytes // ALIGN) * ALIGN
+            offset += -(-(len(pre) + nbytes + len(post)) // ALIGN) * ALIGN
             return {"__tensor__": len(entries) - 1}
         if isinstance(obj, dict):
             return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
@@ -185,10 +257,11 @@ class HostBuffer:
         (copy or Copy()).run(groups, progress)
 
     def _views(self, buf: torch.Tensor, layout: StateLayout) -> list[torch.Tensor]:
-        """The buffer's view for every entry, made once per buffer and layout (every
-        save of a job has the same layout)."""
+        """The buffer's view for every entry, made (and the frames written) once per
+        buffer and layout: every save of a job has the same layout."""
         key = (buf.data_ptr(), tuple(layout.entries))
         if self._views_key != key:
+            write_frames(buf, layout)
             self._views_cache = [tensor_view(buf, e) for e in layout.entries]
             self._views_key = key
         return self._views_cache
@@ -212,30 +285,37 @@ def _groups(layout: StateLayout, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def own_view(raw, e: TensorEntry) -> torch.Tensor:
-    """Like tensor_view, but over a storage of exactly the tensor's bytes of `raw` (a
-    writable buffer; still no copy): DCP writes such a tensor as it is, where it clones
-    a view into a larger storage first."""
-    dtype = getattr(torch, e.dtype)
-    if e.nbytes == 0:
-        return torch.empty(e.shape, dtype=dtype)
-    return torch.frombuffer(raw, dtype=torch.uint8, count=e.nbytes, offset=e.offset).view(dtype).view(e.shape)
+def write_frames(buf: torch.Tensor, layout: StateLayout) -> None:
+    """Every entry's torch.save frame around its bytes, and zeros in the gaps, so the
+    buffer is the part's whole file image once the tensors are copied in."""
+    raw, end = buf.numpy(), 0
+    for e in layout.entries:
+        start, stop = e.frame
+        pre, post = frame(e.dtype, e.shape) if e.pre else (b"", b"")
+        raw[end:start] = 0
+        raw[start:e.offset] = memoryview(pre)
+        raw[e.offset + e.nbytes:stop] = memoryview(post)
+        end = stop
+    raw[end:layout.total_bytes] = 0
 
 
-def rebuild(layout: StateLayout, buffer: torch.Tensor, specs: dict | None = None,
-            own_storage: bool = False) -> Any:
-    """The state with its tensors as views of `buffer` (no copy). With `specs`, the
-    entries that were DTensors become DTensors again (host shards), as DCP needs.
-    `own_storage`: each tensor on a storage of its own bytes (own_view), for dcp.save."""
+def rebuild(layout: StateLayout, buffer: torch.Tensor | None, specs: dict | None = None) -> Any:
+    """The state with its tensors as views of `buffer` (no copy), or with no buffer as
+    tensors of the same dtypes and shapes on the meta device: what DCP plans a PFS
+    step from, whose bytes are then copied from the part (no data to read by mistake).
+    With `specs`, the entries that were DTensors become DTensors again, as DCP needs."""
     specs = specs or {}
-    raw = buffer.numpy() if own_storage else None
+
+    def tensor(e: TensorEntry) -> torch.Tensor:
+        if buffer is None:
+            return torch.empty(e.shape, dtype=getattr(torch, e.dtype), device="meta")
+        return tensor_view(buffer, e)
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, dict):
             if set(obj) == {"__tensor__"}:
                 i = obj["__tensor__"]
-                e = layout.entries[i]
-                t = own_view(raw, e) if own_storage else tensor_view(buffer, e)
+                t = tensor(layout.entries[i])
                 return DTensor(t, specs[i], requires_grad=False) if i in specs else t
             return {k: walk(v) for k, v in obj.items()}
         if isinstance(obj, list):

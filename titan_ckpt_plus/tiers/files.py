@@ -71,6 +71,35 @@ def checksum_file(path: str) -> tuple[int, int]:
     return size, crc
 
 
+def read_checked(path: str, expect: dict):
+    """A file's bytes in order, in CHUNK pieces (each valid until the next is asked
+    for), checked against its manifest entry on the way: raises CorruptCheckpoint
+    after the last piece if the size or CRC-32C differ, so a consumer that writes the
+    pieces elsewhere must fail what it wrote. Opens the file now (a missing one
+    raises here); the pages read are dropped from the page cache afterwards."""
+    f = open(path, "rb", buffering=0)
+
+    def pieces():
+        buf = bytearray(CHUNK)
+        view, crc, size = memoryview(buf), 0, 0
+        with f:
+            while n := f.readinto(buf):
+                crc, size = checksum(view[:n], crc), size + n
+                yield view[:n]
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        if size != expect.get("size") or crc != expect.get(SUM):
+            raise CorruptCheckpoint(_mismatch(path, size, crc, expect))
+
+    return pieces()
+
+
+def buffer_chunks(data):
+    """A buffer in CHUNK pieces, as read_checked gives a file's (nothing to check)."""
+    view = memoryview(data).cast("B")
+    return (view[i : i + CHUNK] for i in range(0, len(view), CHUNK))
+
+
 def _mismatch(name: str, size: int, crc: int, expect: dict) -> str:
     return (f"{name}: size {size} {SUM} {crc:08x}, manifest says "
             f"size {expect.get('size')} {SUM} {expect.get(SUM, 0):08x}")

@@ -403,6 +403,14 @@ class LocalTier:
         files.check_bytes(self._part(step, "data", rank), data, m["files"]["data"])
         return layout, data, len(layout) + len(data)
 
+    def data_pieces(self, step: int):
+        """The part's data file in order, checked on the way (files.read_checked):
+        what the drain copies to the PFS. Raises now if the part is not there."""
+        m = self.manifest(step)
+        if m is None:
+            raise files.CorruptCheckpoint(f"{self._part(step, 'json')}: missing or unreadable")
+        return files.read_checked(self._part(step, "data"), m["files"]["data"])
+
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)
         if self.first_on_node and os.path.exists(os.path.join(d, COMMIT)):

@@ -14,6 +14,12 @@ the job's full state for that step goes to full_state/step-N (a name stock
 torchtitan's step search does not match). An export is never a recovery candidate
 and never purged: `steps()` lists resumable steps only.
 
+A step's data files are not serialized again: each rank's local part is already in
+DCP's per-rank form (staging.py lays every tensor out inside its torch.save frame), so
+PartCopyWriter copies the items DCP's own planner gives the rank from the part's bytes,
+read once in order and checked, and serializes only the small non-tensor items. DCP
+plans the step and writes its .metadata as for any save.
+
 Stock torchtitan loads these steps as they are (it ignores the extra manifest) and
 DCP reshards them to another parallel layout. A step without `.metadata` is torn and
 never used; one without our manifest (written by stock torchtitan) is used unverified,
@@ -28,6 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from titan_ckpt_plus.tiers import files
 
@@ -49,17 +60,105 @@ class CountingReader(FileSystemReader):
         return super().read_data(plan, planner)
 
 
-class HookedWriter(FileSystemWriter):
-    """torchtitan's default writer (what `checkpoint_id=path` builds), with a hook run
-    before this rank's data files are written: the fault injector's way in."""
+class DrainPlanner(DefaultSavePlanner):
+    """DCP's default planner with its plan cache, under a name of its own (DCP keys
+    that class-level cache by class name): every PFS step of a job has the same plan
+    until its layout changes, so later drains send no plans to the coordinator."""
 
-    def __init__(self, path: str, before_write) -> None:
+    def __init__(self) -> None:
+        super().__init__(enable_plan_caching=True)
+
+
+class PartCopyWriter(FileSystemWriter):
+    """torchtitan's default DCP writer (one file per rank, fsync'd), whose tensor items
+    are copied from a part already in DCP's per-rank form instead of torch.save'd.
+
+    `pieces` is the part's bytes in order (the local file, checked against its
+    manifest as it is read, or the staging buffer); `layout` says where each tensor's
+    torch.save frame is in them. An item DCP gave to another rank (a replicated
+    tensor is written once) is skipped. `written`: each file's size and CRC-32C,
+    computed on the way, for the manifest; `before_write` runs first (faults)."""
+
+    def __init__(self, path: str, layout, pieces, before_write=None) -> None:
         super().__init__(path)
-        self.before_write = before_write
+        self.layout, self.pieces, self.before_write = layout, pieces, before_write
+        self.written: dict[str, dict] = {}
 
     def write_data(self, plan, planner):
-        self.before_write()
-        return super().write_data(plan, planner)
+        if self.before_write:
+            self.before_write()
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        frames = {e.path: e for e in self.layout.entries}
+        tensors, blobs = [], []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                blobs.append(item)
+                continue
+            e = frames.get("/" + "/".join(map(str, planner.mappings[item.index.fqn])))
+            if e is None or not e.pre:
+                raise files.CorruptCheckpoint(f"{item.index.fqn}: not in the part's layout, or not framed")
+            tensors.append((e.frame, item))
+        tensors.sort(key=lambda t: t[0])
+        out = _Appender(os.path.join(self.path, name))
+        with out:
+            results = [WriteResult(item.index, end - start, _StorageInfo(name, at, end - start))
+                       for (start, end), item, at in self._copy(tensors, out)]
+            for item in blobs:  # train_state, the dataloader's, lr: serialized as DCP does
+                data = planner.resolve_data(item).getbuffer()
+                results.append(WriteResult(item.index, len(data), _StorageInfo(name, out.size, len(data))))
+                out.write(data)
+        self.written[name] = {"size": out.size, files.SUM: out.crc}
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _copy(self, tensors: list, out: "_Appender") -> list:
+        """One pass over the whole part (so all of it is checked): each kept frame's
+        bytes go out as they come by. Returns ((start, end), item, its offset in the
+        output) per tensor item."""
+        offsets, k, pos = [], 0, 0
+        for piece in self.pieces:
+            hi = pos + len(piece)
+            while k < len(tensors):
+                (start, end), _ = tensors[k]
+                if start >= hi:
+                    break
+                if len(offsets) == k:  # the frame's first bytes
+                    offsets.append(out.size)
+                out.write(piece[max(start, pos) - pos : min(end, hi) - pos])
+                if end > hi:
+                    break
+                k += 1
+            pos = hi
+        if k < len(tensors):
+            raise files.CorruptCheckpoint(f"the part ends at {pos} bytes, before its frames do")
+        return [(frame, item, at) for (frame, item), at in zip(tensors, offsets)]
+
+
+class _Appender:
+    """A file written in order, with its size and CRC-32C kept on the way; fsync'd
+    and closed at the end of the `with` block."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.size, self.crc = 0, 0
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        files.write_all(self.fd, data)
+        self.size, self.crc = self.size + len(data), files.checksum(data, self.crc)
+
+    def __enter__(self) -> "_Appender":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        try:
+            if exc_type is None:
+                os.fsync(self.fd)
+                if hasattr(os, "posix_fadvise"):  # written and durable: no need to cache it
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(self.fd)
 
 
 def describe(e: BaseException) -> str:
@@ -136,14 +235,17 @@ class PfsTier:
             return False
         return not any(k == "train_state" or k.startswith("train_state.") for k in keys)
 
-    def save(self, step: int, state: dict, pg, before_write=None, beside_export: bool = False) -> int:
-        """Collective over `pg`: dcp.save, then the manifest. Returns this rank's bytes.
-        `beside_export`: the last step, whose step-N torchtitan's export will hold."""
+    def save(self, step: int, state: dict, layout, pieces, pg, before_write=None,
+             beside_export: bool = False) -> int:
+        """Collective over `pg`: dcp.save with PartCopyWriter (`state`'s tensors may be
+        on the meta device: the bytes come from `pieces`, laid out as `layout` says),
+        then the manifest. Returns this rank's bytes. `beside_export`: the last step,
+        whose step-N torchtitan's export will hold."""
         path = self._dir(step, beside_export)
         self._clear(path, pg)
-        writer = HookedWriter(path, before_write) if before_write else None
-        dcp.save(state, checkpoint_id=path, storage_writer=writer, process_group=pg)
-        mine = _checksums(path, [n for n in sorted(os.listdir(path)) if n.startswith(f"__{self.rank}_")])
+        writer = PartCopyWriter(path, layout, pieces, before_write)
+        dcp.save(state, checkpoint_id=path, storage_writer=writer, planner=DrainPlanner(), process_group=pg)
+        mine = writer.written
         gathered: list = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=pg)
         if self.rank == 0:
