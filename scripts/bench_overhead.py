@@ -39,20 +39,21 @@ from titan_ckpt_plus.tiers import files  # noqa: E402
 MODELS = {
     # flavor: (seq_len, local batch, steps)
     "debugmodel": (128, 2, 26),
-    "100M": (32, 1, 14),
+    "100M": (32, 1, 26),
 }
 LOCAL_EVERY, PFS_EVERY = 3, 6
 SECTION = "## Overhead: what training notices of checkpointing"
-READING = """How to read it. The drain today makes three passes over a rank's bytes: it reads the
-committed part back and verifies it, `dcp.save` serializes and writes it, and the PFS manifest's
-checksums read the written files back; both ranks do this on the two cores that also train. The
-probe times the serialization alone, in one idle process: `dcp.save` of the same bytes is about
-as fast as writing them framed, so serialization by itself is not what makes the drain slow here;
-the other passes and the contention are the likelier cost (not timed apart yet). A local part written in DCP's own per-rank form (the frames of
-the probe) would make the drain one read and one copy (the PFS checksums are the local part's),
-and would let a DP change be resharded from local parts and replicas by `dcp.load`. The
-launch-bound rows are the same loop beside the same save + drain with the background threads at
-training's priority and 10 below it."""
+READING = """How to read it. The drain is a copy: the local part is in DCP's per-rank form, so the
+drain plans the step with DCP's planner and writes this rank's frames from the staging buffer
+while it holds the step (else from the local file, checked), with O_DIRECT, verbatim when every
+item is this rank's; only the small non-tensor items are serialized. The last column is each
+background thread's own CPU time (rank 0): a save's copy + write is near the floor; a drain's is
+mostly DCP's per-drain planning and collectives (Python, 200-odd items here), which on debugmodel
+is several times the copy's cost, and which a plan and .metadata kept per layout would remove. On
+this 2-core machine both ranks keep both cores busy, so every background CPU millisecond shows in
+the step, and the PFS folder is on the same disk as the local one. The probe row times the three
+ways of making the PFS step in one idle process. The launch-bound rows are the same loop beside
+the same save + drain with the background threads at training's priority and 10 below it."""
 
 
 def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
@@ -153,6 +154,7 @@ def drain_paths(nbytes: int, folder: Path) -> dict:
 
     from harness import free_port
     from titan_ckpt_plus import staging
+    from titan_ckpt_plus.drain import PartSource
     from titan_ckpt_plus.tiers.local import LocalTier
     from titan_ckpt_plus.tiers.pfs import PfsTier
 
@@ -173,7 +175,8 @@ def drain_paths(nbytes: int, folder: Path) -> dict:
         dcp.save(state, checkpoint_id=str(folder / f"dcp{i}"), process_group=pg)
         out["dcp_save_s"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        pfs.save(3 + i, staging.rebuild(layout, None, specs), layout, local.data_pieces(3), pg)
+        source = PartSource(layout.total_bytes, None, *local.data_file(3))  # the file: the slower way
+        pfs.save(3 + i, staging.rebuild(layout, None, specs), layout, source, pg)
         out["copy_s"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with open(src, "rb") as f, open(folder / f"kernel{i}", "wb") as g:
@@ -210,12 +213,16 @@ def main() -> None:
         infl = {k: statistics.median(steps[k]) / und - 1 for k in ("local", "drain") if steps[k]}
         limits = pooled_limits([machine_limits(int(rank_bytes), work_on / "dump" / "checkpoint" / "bw")])
         drain_s = statistics.median(e["background_write_s"] for e in ckpt_events(work_on, "pfs_commit"))
+        # rank 0's background CPU per save and per drain (thread CPU time), against the floor's
+        save_cpu = statistics.median(e["cpu_s"] + e["staging_cpu_s"] for e in commits)
+        drain_cpu = statistics.median(e["cpu_s"] for e in ckpt_events(work_on, "pfs_commit"))
         bound_s = 2 * rank_bytes / limits["write_Bps"]
         extra = rss_on - rss_off
         rows.append(f"| {flavor} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
                     f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
                     f"{drain_s:.2f} s / {bound_s:.2f} s = {drain_s / bound_s:.1f}x | "
-                    f"{rss_off / 2**30:.2f} / {rss_on / 2**30:.2f} GiB: {extra / rank_bytes:.1f}x |")
+                    f"{rss_off / 2**30:.2f} / {rss_on / 2**30:.2f} GiB: {extra / rank_bytes:.1f}x | "
+                    f"{floor * und * 1e3:.0f} / {save_cpu * 1e3:.0f} / {drain_cpu * 1e3:.0f} ms |")
         for k in ("local", "drain"):
             if k in infl:
                 targets.append((f"{flavor}: step inflation during a " + ("local save" if k == "local" else "PFS drain"), f"{infl[k]:+.3f} of a step",
@@ -241,8 +248,9 @@ def main() -> None:
         f"({time.strftime('%Y-%m-%d')}, 2 CPU ranks, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}).",
         "",
         "| model | state per rank | undisturbed step | floor (copy + CRC, share of a step) | "
-        "inflation, local save | inflation, PFS drain | drain / bound | peak RSS off / on: extra per state byte |",
-        "|---|---|---|---|---|---|---|---|",
+        "inflation, local save | inflation, PFS drain | drain / bound | peak RSS off / on: extra per state byte | "
+        "CPU: floor / a save's copy + write / a drain (rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows, "",
         "| target | measured | wanted | met? |", "|---|---|---|---|",
         *[f"| {w} | {m} | {t} | {'met' if ok else '**NOT met**'} |" for w, m, t, ok in targets],

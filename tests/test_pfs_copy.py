@@ -13,7 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_ckpt_plus import staging
-from titan_ckpt_plus.tiers import files
+from titan_ckpt_plus.drain import PartSource, StagedBytes
+from titan_ckpt_plus.tiers import files, pfs as pfs_mod
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import MANIFEST, PfsTier
 
@@ -36,7 +37,7 @@ def _state(seed: int):
                       "param_groups": [{"lr": 1e-3 * seed, "params": ["w"]}]},
         "mask": torch.tensor([True, False, True]),
         "empty": torch.empty(0, 3),
-        "big": torch.randn(3 << 20, generator=g),  # 12 MiB: the copy crosses read pieces
+        "big": torch.randn(5 << 20, generator=g),  # 20 MiB: the copy crosses read pieces
         "train_state": {"step": seed, "ntokens_seen": 1000 * seed},
         "dataloader": {"dp_rank_0": pickle.dumps({"samples": 17 * seed}), "world_size": 1},
     }
@@ -63,9 +64,14 @@ def _stage_and_write(local: LocalTier, step: int, state):
     return layout, specs, data
 
 
-def _drain(pfs, local, step, layout, specs, pg, pieces=None):
+def _drain(pfs, local, step, layout, specs, pg, staged=None):
+    """What PfsDrain does: from the staged bytes while lent, else the local file."""
     state = staging.rebuild(layout, None, specs)
-    return pfs.save(step, state, layout, pieces or local.data_pieces(step), pg)
+    if staged is not None and not staged.reclaimable:
+        source = PartSource(layout.total_bytes, staged)
+    else:
+        source = PartSource(layout.total_bytes, staged, *local.data_file(step))
+    return pfs.save(step, state, layout, source, pg)
 
 
 def _check_equal(back, want):
@@ -117,16 +123,43 @@ def test_a_local_part_becomes_a_dcp_step_without_serializing_its_tensors(pg, tmp
     assert pickle.loads(back["dataloader"]["dp_rank_0"]) == {"samples": 51}
 
 
-def test_the_staged_buffer_drains_to_the_same_files_and_the_plan_is_reused(pg, tmp_path):
-    """The path taken when the local disk failed: the bytes come from memory. A second
-    step of the same layout reuses DCP's cached plan and still loads its own values."""
+def test_staged_bytes_taken_back_mid_copy_and_unlent_ones_drain_to_the_same_file(pg, tmp_path):
+    """From memory (nothing read back), from memory until the next save takes the
+    buffer back (the rest from the file), and from memory alone (the local write
+    failed: no file, the CRC computed on the way): the same file every time. A second
+    step of the same layout reuses DCP's cached plan and loads its own values."""
     local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
     pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
     layout, specs, memory = _stage_and_write(local, 4, _state(4))
-    _drain(pfs, local, 4, layout, specs, pg, pieces=files.buffer_chunks(memory.numpy()))
-    from_memory = open(tmp_path / "pfs" / "step-4" / "__0_0.distcp", "rb").read()
+    step_file = tmp_path / "pfs" / "step-4" / "__0_0.distcp"
     _drain(pfs, local, 4, layout, specs, pg)
-    assert open(tmp_path / "pfs" / "step-4" / "__0_0.distcp", "rb").read() == from_memory
+    from_file = step_file.read_bytes()
+    reads = []
+    real = files.read_spans
+    files.read_spans = lambda *a, **k: (reads.append(k.get("resume", 0)), real(*a, **k))[1]
+    try:
+        _drain(pfs, local, 4, layout, specs, pg, StagedBytes(memory.numpy(), reclaimable=True))
+        assert step_file.read_bytes() == from_file and reads == []
+        staged = StagedBytes(memory.numpy(), reclaimable=True)
+        real_write = pfs_mod._Appender.write
+
+        def write_then_take_back(self, data, crc=True):
+            real_write(self, data, crc)
+            # the next save's take_back(), which gets the lock as soon as this piece is written
+            staged.taken_back = True
+
+        pfs_mod._Appender.write = write_then_take_back
+        try:
+            _drain(pfs, local, 4, layout, specs, pg, staged)
+        finally:
+            pfs_mod._Appender.write = real_write
+        assert step_file.read_bytes() == from_file and reads == [files.CHUNK]
+        os.remove(local._part(4, "data"))
+        _drain(pfs, local, 4, layout, specs, pg, StagedBytes(memory.numpy(), reclaimable=False))
+        assert step_file.read_bytes() == from_file and len(reads) == 1
+    finally:
+        files.read_spans = real
+    assert pfs.verify(4, pg) == (True, "")
     state5 = _state(5)
     layout5, specs5, _ = _stage_and_write(local, 5, state5)
     _drain(pfs, local, 5, layout5, specs5, pg)
@@ -134,6 +167,44 @@ def test_the_staged_buffer_drains_to_the_same_files_and_the_plan_is_reused(pg, t
     dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / "step-5"), process_group=pg)
     _check_equal(back, state5)
     assert back["train_state"]["step"] == 5
+
+
+def test_an_item_of_another_rank_is_skipped_and_the_rest_lands_where_the_metadata_says(
+        pg, tmp_path, monkeypatch):
+    """DCP writes a replicated tensor once, so a rank's plan may lack some of its
+    frames. Here the 20 MiB one is dropped from the plan: two spans written back to
+    back, every other frame where .metadata points, the CRC computed on the way."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    class WithoutBig(pfs_mod.DrainPlanner):
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            return SavePlan([i for i in plan.items if i.index.fqn != "big"], planner_data=plan.planner_data)
+
+    monkeypatch.setattr(pfs_mod, "DrainPlanner", WithoutBig)
+    local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
+    pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
+    state = _state(7)
+    layout, specs, _ = _stage_and_write(local, 7, state)
+    nbytes = _drain(pfs, local, 7, layout, specs, pg)
+    big = next(e for e in layout.entries if e.path == "/big")
+    assert nbytes < layout.total_bytes - big.nbytes + (2 << 20)
+    assert pfs.verify(7, pg) == (True, "")
+    back = _zeros_like(_state(9))
+    del back["big"]
+    dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / "step-7"), process_group=pg)
+    back["big"] = state["big"]
+    _check_equal(back, state)
+
+
+def test_spans_merge_short_gaps_and_keep_page_alignment():
+    P = files.PAGE
+    assert pfs_mod.spans_of([(0, 100), (200, 300)], 10 * P, P) == [(0, P)]
+    assert pfs_mod.spans_of([(0, 100), (5 * P + 64, 5 * P + 80)], 10 * P, P) == [(0, P), (5 * P, 6 * P)]
+    assert pfs_mod.spans_of([(0, 100), (2 * P + 64, 2 * P + 80)], 10 * P, 4 * P) == [(0, 3 * P)]
+    assert pfs_mod.spans_of([(9 * P + 8, 9 * P + 50)], 9 * P + 60, P) == [(9 * P, 9 * P + 60)]
+    spans = [(0, P), (5 * P, 6 * P)]
+    assert pfs_mod._moved(5 * P + 64, spans) == P + 64 and pfs_mod._moved(100, spans) == 100
 
 
 def test_a_corrupt_local_part_never_becomes_a_pfs_step(pg, tmp_path):

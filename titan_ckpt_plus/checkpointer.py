@@ -5,8 +5,8 @@
                  in wait_for_staging(), just before optimizer.step())
       writer     thread: buffer -> local part, fsync; replicas; all ranks agree on a
                  gloo group; commit marker; local retention; hand PFS steps to the drain
-      drain      drain.py: committed local part -> the PFS in DCP layout, on its own
-                 thread. The training loop never waits for it, except in flush() at
+      drain      drain.py: committed local part -> the PFS in DCP layout, a copy (from
+                 the staging buffer while it holds the step) on its own thread. The training loop never waits for it, except in flush() at
                  the last step and close().
 
 The writer and the drain run at background priority (`background_nice`, priority.py).
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt_plus import device_copy, faults, recovery, staging
-from titan_ckpt_plus.drain import PfsDrain
+from titan_ckpt_plus.drain import PfsDrain, StagedBytes
 from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
 from titan_ckpt_plus.replication import Part, Wire, check_part
@@ -87,9 +87,10 @@ class _Job:
     staged: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
     staging_s: float = 0.0
+    staging_cpu_s: float = 0.0  # the copy thread's CPU time (inline copies: the training thread's too)
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
     committed: bool = False
-    memory: Any = None  # the staging buffer's bytes, held for the drain when the local write failed
+    loan: StagedBytes | None = None  # the staged bytes, lent to the drain (drain.py)
     layout_bytes: bytes | None = None  # set once staged
     fingerprint: str = ""
     beside_export: bool = False  # the PFS copy goes to full_state/step-N
@@ -124,6 +125,7 @@ class TieredCheckpointer:
         self.device = device or (device_copy.CudaDevice() if s.pin else device_copy.Device())
         self._buffer_free = threading.Event()
         self._buffer_free.set()
+        self._loans: list[StagedBytes] = []  # staged bytes lent to drains, taken back by the next save
         self._pending_copy: device_copy.Copy | None = None
         self._pending = False
         self._pending_delta = 0.0
@@ -174,6 +176,7 @@ class TieredCheckpointer:
         self.schedule.saved(step, pfs_due)
         t0 = time.monotonic()
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
+        self._take_back_loans()
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
         inline = last_step or not self.s.overlap_copy
@@ -205,7 +208,14 @@ class TieredCheckpointer:
         if last_step:
             self.flush()
 
+    def _take_back_loans(self) -> None:
+        """Before the buffer is written again: a drain still copying from it goes on
+        from the local file (it lets go within one piece)."""
+        while self._loans:
+            self._loans.pop().take_back()
+
     def _copy(self, job: _Job, tensors, copy: device_copy.Copy) -> None:
+        cpu0 = time.thread_time()
         faults.maybe_kill("kill_during_staging", job.step)
         faults.maybe_delay("slow_staging", job.step)
         try:
@@ -219,6 +229,7 @@ class TieredCheckpointer:
         finally:
             copy.issued.set()  # a copy that failed before it began must not hang the wait
             job.staging_s = time.monotonic() - job.started
+            job.staging_cpu_s = time.thread_time() - cpu0
             job.staged.set()
 
     def wait_for_staging(self) -> None:
@@ -418,7 +429,7 @@ class TieredCheckpointer:
     def _write(self, job: _Job) -> None:
         """The local write follows the staging copy chunk by chunk, so a step is
         durable about one write after the save began, not one copy plus one write."""
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         nbytes, own = 0, None
         if job.layout is not None:  # planned; the copy may still be running
             try:
@@ -442,15 +453,19 @@ class TieredCheckpointer:
         write_s = time.monotonic() - t0
         if self.placement is not None:
             job.ok = self._replicate(job, own) and job.ok
-        if job.pfs_due and staged_ok and own is None:
-            # The local disk failed this step: the drain reads the staged bytes, so a
-            # full or broken local disk does not stop the persistent tier. The buffer
-            # stays held until then (no second copy in memory); the next save waits.
-            job.memory = self.buffer.data[: job.layout.total_bytes]
-        else:
+        if job.pfs_due and staged_ok:
+            # The drain copies the staged bytes while the buffer still holds them. If the
+            # local disk failed this step they are its only copy: the buffer stays held
+            # until the drain is done (the next save waits), so a full or broken local
+            # disk does not stop the persistent tier. Else the next save takes them back.
+            job.loan = StagedBytes(self.buffer.data[: job.layout.total_bytes].numpy(),
+                                   reclaimable=own is not None)
+            if job.loan.reclaimable:
+                self._loans.append(job.loan)
+        if job.loan is None or job.loan.reclaimable:
             self._buffer_free.set()
         # Every rank reaches this all-reduce, failed or not, so the groups stay in step.
-        committed, drainable = all_ranks([job.ok, own is not None or job.memory is not None],
+        committed, drainable = all_ranks([job.ok, own is not None or job.loan is not None],
                                          self.commit_pg)
         if not committed:
             if job.ok:
@@ -476,7 +491,8 @@ class TieredCheckpointer:
                        f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
             self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
                                staging_s=job.staging_s, background_write_s=write_s,
-                               time_to_commit_s=commit_s)
+                               time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
+                               staging_cpu_s=job.staging_cpu_s)
         if job.pfs_due:
             self.drain.submit(job)
         try:
@@ -537,8 +553,8 @@ class TieredCheckpointer:
     def _drained(self, job: _Job) -> None:
         """A step's drain is over (or none comes): free the staging buffer it held, and
         drop an uncommitted step's local files."""
-        if job.memory is not None:
-            job.memory = None
+        if job.loan is not None and not job.loan.reclaimable:
             self._buffer_free.set()
+        job.loan = None
         if not job.committed:
             self._discard(job.step)

@@ -2,16 +2,17 @@
 
 One background thread, its own gloo group (its collectives never interleave with the
 writer's or training's), at background priority. The committed local part is already
-a DCP data file (staging.py), so the drain is a copy: `PfsTier.save` reads the part
-once in order, checking its CRC-32C, and writes the items DCP's planner gives this
-rank; DCP plans from the step's state rebuilt on the meta device (no bytes held).
-When the local disk failed that step, the bytes come from the staging buffer, still
-held for this. A failed drain is logged
+a DCP data file (staging.py), so the drain is a copy (`PfsTier.save`, PartCopyWriter)
+of the items DCP's planner gives this rank; DCP plans from the step's state rebuilt
+on the meta device (no bytes held). The bytes come from the staging buffer while it
+still holds them (StagedBytes: nothing is read back from the local disk), else from
+the committed local file, checked as it is read. A failed drain is logged
 and counted; the older PFS steps stay. The training loop never waits for it, except
 when it flushes (the last step, a preemption, close()).
 """
 
 import queue
+import threading
 import time
 from typing import Callable
 
@@ -23,6 +24,49 @@ from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier, all_ranks, describe
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
+
+
+class StagedBytes:
+    """A step's bytes in the staging buffer, lent to its drain. The next save takes
+    them back before it copies into the buffer (waiting at most for the piece being
+    written) and the drain goes on from the committed local file. A step whose local
+    write failed has no file: its loan is not `reclaimable`, and the next save waits
+    for the drain instead (the checkpointer keeps the buffer held)."""
+
+    def __init__(self, data, reclaimable: bool) -> None:
+        self.data = memoryview(data).cast("B")
+        self.reclaimable = reclaimable
+        self.lock = threading.Lock()
+        self.taken_back = False
+
+    def take_back(self) -> None:
+        with self.lock:
+            self.taken_back = True
+
+
+class PartSource:
+    """A rank's part of a step, as PartCopyWriter reads it. `crc`: the CRC-32C of all
+    its bytes if known (the local manifest's), so a verbatim copy need not compute it."""
+
+    def __init__(self, total: int, staged: StagedBytes | None, path: str | None = None,
+                 expect: dict | None = None) -> None:
+        self.total, self.staged, self.path, self.expect = total, staged, path, expect
+        self.crc = expect[files.SUM] if expect and expect.get("size") == total else None
+
+    def pieces(self, spans: list):
+        """(offset, piece) over `spans` in order: from memory while the loan lasts (the
+        lock held while the consumer writes each piece), then from the file."""
+        if self.staged is not None:
+            for a, b in spans:
+                for p in range(a, b, files.CHUNK):
+                    with self.staged.lock:
+                        if not self.staged.taken_back:
+                            yield p, self.staged.data[p : min(p + files.CHUNK, b)]
+                            continue
+                    yield from files.read_spans(self.path, self.expect, spans, resume=p)
+                    return
+            return
+        yield from files.read_spans(self.path, self.expect, spans)
 
 
 class PfsDrain:
@@ -65,27 +109,27 @@ class PfsDrain:
                 self._q.task_done()
         self._q.task_done()
 
-    def _pieces(self, job):
-        """The step's part, in order: the staged buffer if the local write failed, else
-        the committed local file (checked as it is read)."""
-        if job.memory is not None:
-            return files.buffer_chunks(job.memory.numpy())
-        return self.local.data_pieces(job.step)
+    def _source(self, job) -> PartSource:
+        """The step's part: the staged bytes while lent, else the committed local file."""
+        total = job.layout.total_bytes
+        if job.loan is not None and not job.loan.reclaimable:
+            return PartSource(total, job.loan)
+        return PartSource(total, job.loan, *self.local.data_file(job.step))
 
     def _drain(self, job) -> None:
-        t0 = time.monotonic()
-        pieces, why = None, ""
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        source, why = None, ""
         try:
-            pieces = self._pieces(job)
+            source = self._source(job)
             faults.maybe_fail("eio_pfs_write", job.step)
         except Exception as e:
-            pieces, why = None, repr(e)
-        if not all_ranks([pieces is not None], self.pg)[0]:
+            source, why = None, repr(e)
+        if not all_ranks([source is not None], self.pg)[0]:
             self._failed("pfs", job.step, why or "another rank could not read its part")
             return
         state = staging.rebuild(job.layout, None, job.specs)
         try:
-            nbytes = self.pfs.save(job.step, state, job.layout, pieces, self.pg,
+            nbytes = self.pfs.save(job.step, state, job.layout, source, self.pg,
                                    before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step),
                                    beside_export=job.beside_export)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -97,7 +141,7 @@ class PfsDrain:
         self._info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
                    f"in {self.last_seconds:.3f}s (background)")
         self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
-                           background_write_s=self.last_seconds,
+                           background_write_s=self.last_seconds, cpu_s=time.thread_time() - cpu0,
                            drain_lag_steps=self.stats.last_committed - job.step)
         try:
             self.pfs.purge()

@@ -9,6 +9,7 @@ CRC-32C because it runs on the CPU's own instruction (about 10 GB/s here, agains
 import ctypes
 import fcntl
 import json
+import mmap
 import os
 
 import crc32c
@@ -71,33 +72,50 @@ def checksum_file(path: str) -> tuple[int, int]:
     return size, crc
 
 
-def read_checked(path: str, expect: dict):
-    """A file's bytes in order, in CHUNK pieces (each valid until the next is asked
-    for), checked against its manifest entry on the way: raises CorruptCheckpoint
-    after the last piece if the size or CRC-32C differ, so a consumer that writes the
-    pieces elsewhere must fail what it wrote. Opens the file now (a missing one
-    raises here); the pages read are dropped from the page cache afterwards."""
-    f = open(path, "rb", buffering=0)
-
-    def pieces():
-        buf = bytearray(CHUNK)
-        view, crc, size = memoryview(buf), 0, 0
-        with f:
-            while n := f.readinto(buf):
-                crc, size = checksum(view[:n], crc), size + n
-                yield view[:n]
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        if size != expect.get("size") or crc != expect.get(SUM):
-            raise CorruptCheckpoint(_mismatch(path, size, crc, expect))
-
-    return pieces()
+def _open_for_read(path: str) -> int:
+    """O_DIRECT where the file system takes it: the drain's reads then cost no page-cache
+    copy and leave no pages behind."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            pass
+    return os.open(path, os.O_RDONLY)
 
 
-def buffer_chunks(data):
-    """A buffer in CHUNK pieces, as read_checked gives a file's (nothing to check)."""
-    view = memoryview(data).cast("B")
-    return (view[i : i + CHUNK] for i in range(0, len(view), CHUNK))
+def read_spans(path: str, expect: dict, spans: list, resume: int = 0):
+    """Yields (offset, piece) for the bytes of `spans` ((start, end) pairs, sorted,
+    page-aligned starts) at or after `resume`, each piece valid until the next is asked
+    for. The whole file is read in order and checked against its manifest entry: raises
+    CorruptCheckpoint after the last piece if the size or CRC-32C differ, so a consumer
+    that wrote the pieces elsewhere must fail what it wrote."""
+    fd = _open_for_read(path)
+    buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
+    view, crc, size, k = memoryview(buf), 0, 0, 0
+    try:
+        while n := os.preadv(fd, [buf], size):
+            lo, hi = size, size + n
+            chunk = view[:n]
+            crc, size = checksum(chunk, crc), hi
+            while k < len(spans):
+                a, b = max(spans[k][0], resume, lo), spans[k][1]
+                if a >= b:
+                    k += 1
+                    continue
+                if a >= hi:
+                    break
+                yield a, chunk[a - lo : min(b, hi) - lo]
+                if b > hi:
+                    break
+                k += 1
+            if n < CHUNK:
+                break
+    finally:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    if size != expect.get("size") or crc != expect.get(SUM):
+        raise CorruptCheckpoint(_mismatch(path, size, crc, expect))
 
 
 def _mismatch(name: str, size: int, crc: int, expect: dict) -> str:
@@ -120,7 +138,7 @@ def check_bytes(name: str, data, expect: dict) -> None:
         raise CorruptCheckpoint(_mismatch(name, size, crc, expect))
 
 
-def _address(view: memoryview) -> int | None:
+def address(view: memoryview) -> int | None:
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(view))
     except (TypeError, ValueError):  # read-only or empty buffer
@@ -133,7 +151,7 @@ def _open_for_write(path: str, view: memoryview) -> tuple[int, bool]:
     costs the training ranks' cores almost nothing; the bytes go from the staging
     buffer to the disk."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    addr = _address(view) if len(view) >= 1 << 20 else None
+    addr = address(view) if len(view) >= 1 << 20 else None
     if addr is not None and addr % PAGE == 0 and hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, flags | os.O_DIRECT, 0o644), True

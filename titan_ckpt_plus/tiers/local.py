@@ -3,7 +3,8 @@ one subfolder per job, one part per rank per step.
 
     <local_folder>/job-<id>/JOB.json    the job's identity and where its dump folder is
                            .lock        held by the node's first rank while it runs
-                           step-N/rank-00003.data    the rank's staged buffer, raw bytes
+                           step-N/rank-00003.data    the rank's staged buffer: its tensors in
+                                                     DCP's per-rank file form (staging.py)
                                   rank-00003.layout  where each tensor lives in it (plain pickle)
                                   rank-00003.json    manifest: sizes and CRC-32C of both, job id,
                                                      step, world size, layout (written last)
@@ -403,13 +404,13 @@ class LocalTier:
         files.check_bytes(self._part(step, "data", rank), data, m["files"]["data"])
         return layout, data, len(layout) + len(data)
 
-    def data_pieces(self, step: int):
-        """The part's data file in order, checked on the way (files.read_checked):
-        what the drain copies to the PFS. Raises now if the part is not there."""
+    def data_file(self, step: int) -> tuple[str, dict]:
+        """(path, manifest entry) of this rank's data file of `step`: what the drain
+        reads when the staged bytes are gone. Raises if the part is not there."""
         m = self.manifest(step)
         if m is None:
             raise files.CorruptCheckpoint(f"{self._part(step, 'json')}: missing or unreadable")
-        return files.read_checked(self._part(step, "data"), m["files"]["data"])
+        return self._part(step, "data"), m["files"]["data"]
 
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)

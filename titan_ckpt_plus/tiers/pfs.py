@@ -27,6 +27,8 @@ as is one whose manifest has no job id (written before job identities); one whos
 manifest names another job is never used (`owners()`).
 """
 
+import contextlib
+import fcntl
 import os
 import shutil
 
@@ -69,19 +71,25 @@ class DrainPlanner(DefaultSavePlanner):
         super().__init__(enable_plan_caching=True)
 
 
+SPAN_GAP = 64 << 10  # a gap this short (a replicated scalar's frame) is copied, keeping a span whole
+
+
 class PartCopyWriter(FileSystemWriter):
     """torchtitan's default DCP writer (one file per rank, fsync'd), whose tensor items
     are copied from a part already in DCP's per-rank form instead of torch.save'd.
 
-    `pieces` is the part's bytes in order (the local file, checked against its
-    manifest as it is read, or the staging buffer); `layout` says where each tensor's
-    torch.save frame is in them. An item DCP gave to another rank (a replicated
-    tensor is written once) is skipped. `written`: each file's size and CRC-32C,
-    computed on the way, for the manifest; `before_write` runs first (faults)."""
+    `source` gives the part's bytes (drain.PartSource: the staged buffer, or the local
+    file checked as it is read); `layout` says where each tensor's torch.save frame is
+    in them. The frames of this rank's items are copied as page-aligned spans, so the
+    bulk goes to the file with O_DIRECT where it is taken, and a part whose items are
+    all this rank's (FSDP, TP, PP) is copied verbatim, its CRC-32C then the local
+    manifest's. An item DCP gave to another rank (a replicated tensor is written once)
+    is skipped when it leaves a gap of SPAN_GAP or more. `written`: each file's size and
+    CRC-32C, for the manifest; `before_write` runs first (faults)."""
 
-    def __init__(self, path: str, layout, pieces, before_write=None) -> None:
+    def __init__(self, path: str, layout, source, before_write=None) -> None:
         super().__init__(path)
-        self.layout, self.pieces, self.before_write = layout, pieces, before_write
+        self.layout, self.source, self.before_write = layout, source, before_write
         self.written: dict[str, dict] = {}
 
     def write_data(self, plan, planner):
@@ -98,11 +106,20 @@ class PartCopyWriter(FileSystemWriter):
             if e is None or not e.pre:
                 raise files.CorruptCheckpoint(f"{item.index.fqn}: not in the part's layout, or not framed")
             tensors.append((e.frame, item))
-        tensors.sort(key=lambda t: t[0])
-        out = _Appender(os.path.join(self.path, name))
-        with out:
-            results = [WriteResult(item.index, end - start, _StorageInfo(name, at, end - start))
-                       for (start, end), item, at in self._copy(tensors, out)]
+        spans = spans_of([f for f, _ in tensors], self.layout.total_bytes, SPAN_GAP)
+        results = []
+        with _Appender(os.path.join(self.path, name)) as out:
+            verbatim = spans == [(0, self.layout.total_bytes)] and self.source.crc is not None
+            with contextlib.closing(self.source.pieces(spans)) as pieces:
+                for _, piece in pieces:
+                    out.write(piece, crc=not verbatim)
+            if out.size != sum(b - a for a, b in spans):
+                raise files.CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
+            if verbatim:
+                out.crc = self.source.crc
+            for (start, end), item in tensors:
+                results.append(WriteResult(item.index, end - start,
+                                           _StorageInfo(name, _moved(start, spans), end - start)))
             for item in blobs:  # train_state, the dataloader's, lr: serialized as DCP does
                 data = planner.resolve_data(item).getbuffer()
                 results.append(WriteResult(item.index, len(data), _StorageInfo(name, out.size, len(data))))
@@ -112,41 +129,55 @@ class PartCopyWriter(FileSystemWriter):
         fut.set_result(results)
         return fut
 
-    def _copy(self, tensors: list, out: "_Appender") -> list:
-        """One pass over the whole part (so all of it is checked): each kept frame's
-        bytes go out as they come by. Returns ((start, end), item, its offset in the
-        output) per tensor item."""
-        offsets, k, pos = [], 0, 0
-        for piece in self.pieces:
-            hi = pos + len(piece)
-            while k < len(tensors):
-                (start, end), _ = tensors[k]
-                if start >= hi:
-                    break
-                if len(offsets) == k:  # the frame's first bytes
-                    offsets.append(out.size)
-                out.write(piece[max(start, pos) - pos : min(end, hi) - pos])
-                if end > hi:
-                    break
-                k += 1
-            pos = hi
-        if k < len(tensors):
-            raise files.CorruptCheckpoint(f"the part ends at {pos} bytes, before its frames do")
-        return [(frame, item, at) for (frame, item), at in zip(tensors, offsets)]
+
+def spans_of(frames: list[tuple[int, int]], total: int, gap: int) -> list[tuple[int, int]]:
+    """Page-aligned (start, end) spans of a part that cover `frames`, in order; a gap
+    shorter than `gap` between two is copied too."""
+    out: list[list[int]] = []
+    for start, end in sorted(frames):
+        a, b = start // files.PAGE * files.PAGE, min(-(-end // files.PAGE) * files.PAGE, total)
+        if out and a - out[-1][1] < gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _moved(offset: int, spans: list[tuple[int, int]]) -> int:
+    """Where a byte of the part lands in the copy: spans are written back to back."""
+    at = 0
+    for a, b in spans:
+        if a <= offset < b:
+            return at + offset - a
+        at += b - a
+    raise ValueError(f"offset {offset} is in no span")
 
 
 class _Appender:
-    """A file written in order, with its size and CRC-32C kept on the way; fsync'd
-    and closed at the end of the `with` block."""
+    """A file written in order, with O_DIRECT while every piece is whole pages at a
+    page-aligned address (the spans), buffered after that (the last partial page, the
+    small items); its size and CRC-32C kept on the way; fsync'd and closed at the end
+    of the `with` block."""
 
     def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError:
+            self.fd, self.direct = os.open(path, flags, 0o644), False
         self.size, self.crc = 0, 0
 
-    def write(self, data) -> None:
-        data = memoryview(data).cast("B")
-        files.write_all(self.fd, data)
-        self.size, self.crc = self.size + len(data), files.checksum(data, self.crc)
+    def write(self, data, crc: bool = True) -> None:
+        view = memoryview(data).cast("B")
+        if self.direct and (len(view) % files.PAGE or self.size % files.PAGE
+                            or (files.address(view) or 1) % files.PAGE):
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+        files.write_all(self.fd, view)
+        self.size += len(view)
+        if crc:
+            self.crc = files.checksum(view, self.crc)
 
     def __enter__(self) -> "_Appender":
         return self
@@ -235,15 +266,15 @@ class PfsTier:
             return False
         return not any(k == "train_state" or k.startswith("train_state.") for k in keys)
 
-    def save(self, step: int, state: dict, layout, pieces, pg, before_write=None,
+    def save(self, step: int, state: dict, layout, source, pg, before_write=None,
              beside_export: bool = False) -> int:
         """Collective over `pg`: dcp.save with PartCopyWriter (`state`'s tensors may be
-        on the meta device: the bytes come from `pieces`, laid out as `layout` says),
+        on the meta device: the bytes come from `source`, laid out as `layout` says),
         then the manifest. Returns this rank's bytes. `beside_export`: the last step,
         whose step-N torchtitan's export will hold."""
         path = self._dir(step, beside_export)
         self._clear(path, pg)
-        writer = PartCopyWriter(path, layout, pieces, before_write)
+        writer = PartCopyWriter(path, layout, source, before_write)
         dcp.save(state, checkpoint_id=path, storage_writer=writer, planner=DrainPlanner(), process_group=pg)
         mine = writer.written
         gathered: list = [None] * self.world_size
