@@ -176,7 +176,7 @@ def drain_paths(nbytes: int, folder: Path) -> dict:
         out["dcp_save_s"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         source = PartSource(layout.total_bytes, None, *local.data_file(3))  # the file: the slower way
-        pfs.save(3 + i, staging.rebuild(layout, None, specs), layout, source, pg)
+        pfs.save(3 + i, layout, specs, source, pg)
         out["copy_s"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with open(src, "rb") as f, open(folder / f"kernel{i}", "wb") as g:

@@ -66,12 +66,11 @@ def _stage_and_write(local: LocalTier, step: int, state):
 
 def _drain(pfs, local, step, layout, specs, pg, staged=None):
     """What PfsDrain does: from the staged bytes while lent, else the local file."""
-    state = staging.rebuild(layout, None, specs)
     if staged is not None and not staged.reclaimable:
         source = PartSource(layout.total_bytes, staged)
     else:
         source = PartSource(layout.total_bytes, staged, *local.data_file(step))
-    return pfs.save(step, state, layout, source, pg)
+    return pfs.save(step, layout, specs, source, pg)
 
 
 def _check_equal(back, want):
@@ -123,11 +122,15 @@ def test_a_local_part_becomes_a_dcp_step_without_serializing_its_tensors(pg, tmp
     assert pickle.loads(back["dataloader"]["dp_rank_0"]) == {"samples": 51}
 
 
-def test_staged_bytes_taken_back_mid_copy_and_unlent_ones_drain_to_the_same_file(pg, tmp_path):
+def test_staged_bytes_taken_back_mid_copy_and_unlent_ones_drain_to_the_same_file(pg, tmp_path, monkeypatch):
     """From memory (nothing read back), from memory until the next save takes the
     buffer back (the rest from the file), and from memory alone (the local write
-    failed: no file, the CRC computed on the way): the same file every time. A second
-    step of the same layout reuses DCP's cached plan and loads its own values."""
+    failed: no file, the CRC computed on the way): the same file every time. Only the
+    first drain of the layout goes through dcp.save; the later ones, another step
+    with other values included, reuse its plan and .metadata and load their own values."""
+    planned = []
+    real_save = dcp.save
+    monkeypatch.setattr(dcp, "save", lambda *a, **k: (planned.append(1), real_save(*a, **k))[1])
     local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
     pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
     layout, specs, memory = _stage_and_write(local, 4, _state(4))
@@ -166,7 +169,7 @@ def test_staged_bytes_taken_back_mid_copy_and_unlent_ones_drain_to_the_same_file
     back = _zeros_like(_state(9))
     dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / "step-5"), process_group=pg)
     _check_equal(back, state5)
-    assert back["train_state"]["step"] == 5
+    assert back["train_state"]["step"] == 5 and len(planned) == 1
 
 
 def test_an_item_of_another_rank_is_skipped_and_the_rest_lands_where_the_metadata_says(
@@ -176,12 +179,12 @@ def test_an_item_of_another_rank_is_skipped_and_the_rest_lands_where_the_metadat
     back, every other frame where .metadata points, the CRC computed on the way."""
     from torch.distributed.checkpoint.planner import SavePlan
 
-    class WithoutBig(pfs_mod.DrainPlanner):
+    class WithoutBig(pfs_mod.DefaultSavePlanner):
         def create_local_plan(self):
             plan = super().create_local_plan()
             return SavePlan([i for i in plan.items if i.index.fqn != "big"], planner_data=plan.planner_data)
 
-    monkeypatch.setattr(pfs_mod, "DrainPlanner", WithoutBig)
+    monkeypatch.setattr(pfs_mod, "DefaultSavePlanner", WithoutBig)
     local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
     pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
     state = _state(7)

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from titan_ckpt_plus import faults, staging
+from titan_ckpt_plus import faults
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier, all_ranks, describe
@@ -127,9 +127,8 @@ class PfsDrain:
         if not all_ranks([source is not None], self.pg)[0]:
             self._failed("pfs", job.step, why or "another rank could not read its part")
             return
-        state = staging.rebuild(job.layout, None, job.specs)
         try:
-            nbytes = self.pfs.save(job.step, state, job.layout, source, self.pg,
+            nbytes = self.pfs.save(job.step, job.layout, job.specs, source, self.pg,
                                    before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step),
                                    beside_export=job.beside_export)
         except BaseException as e:  # DCP's CheckpointException is a BaseException

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from titan_ckpt_plus import staging
 from titan_ckpt_plus.tiers import files
 
 MANIFEST = "titan_ckpt_plus.json"
@@ -60,15 +61,6 @@ class CountingReader(FileSystemReader):
         for req in plan.items:
             self.bytes_read += self.storage_data[req.storage_index].length
         return super().read_data(plan, planner)
-
-
-class DrainPlanner(DefaultSavePlanner):
-    """DCP's default planner with its plan cache, under a name of its own (DCP keys
-    that class-level cache by class name): every PFS step of a job has the same plan
-    until its layout changes, so later drains send no plans to the coordinator."""
-
-    def __init__(self) -> None:
-        super().__init__(enable_plan_caching=True)
 
 
 SPAN_GAP = 64 << 10  # a gap this short (a replicated scalar's frame) is copied, keeping a span whole
@@ -91,8 +83,10 @@ class PartCopyWriter(FileSystemWriter):
         super().__init__(path)
         self.layout, self.source, self.before_write = layout, source, before_write
         self.written: dict[str, dict] = {}
+        self.plan = self.metadata = None  # what DCP planned, kept for the next drains
 
     def write_data(self, plan, planner):
+        self.plan = plan
         if self.before_write:
             self.before_write()
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -128,6 +122,11 @@ class PartCopyWriter(FileSystemWriter):
         fut: Future = Future()
         fut.set_result(results)
         return fut
+
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        self.metadata = metadata
 
 
 def spans_of(frames: list[tuple[int, int]], total: int, gap: int) -> list[tuple[int, int]]:
@@ -224,6 +223,7 @@ class PfsTier:
         self.rank = rank
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
+        self._planned = None  # (layout key, this rank's plan, rank 0's metadata): see save()
 
     def _dir(self, step: int, beside_export: bool = False) -> str:
         return os.path.join(self.folder, FULL_STATE if beside_export else "", f"step-{step}")
@@ -266,26 +266,58 @@ class PfsTier:
             return False
         return not any(k == "train_state" or k.startswith("train_state.") for k in keys)
 
-    def save(self, step: int, state: dict, layout, source, pg, before_write=None,
+    def save(self, step: int, layout, specs: dict, source, pg, before_write=None,
              beside_export: bool = False) -> int:
-        """Collective over `pg`: dcp.save with PartCopyWriter (`state`'s tensors may be
-        on the meta device: the bytes come from `source`, laid out as `layout` says),
-        then the manifest. Returns this rank's bytes. `beside_export`: the last step,
-        whose step-N torchtitan's export will hold."""
+        """Collective over `pg`: this rank's part of the step, copied from `source` (laid
+        out as `layout` says; `specs`: the DTensors' for DCP's planner), then the manifest.
+        Returns this rank's bytes. `beside_export`: the last step, whose step-N
+        torchtitan's export will hold.
+
+        The first step of a layout is planned by dcp.save with PartCopyWriter. DCP would
+        make the same plan and .metadata for every later step of that layout, at a cost
+        in Python and collectives the copy does not have (most of a drain's CPU on a
+        small model), so they are kept: a later step is the copy, one gather of what
+        every rank wrote, and rank 0's .metadata and manifest."""
         path = self._dir(step, beside_export)
         self._clear(path, pg)
+        os.makedirs(path, exist_ok=True)
         writer = PartCopyWriter(path, layout, source, before_write)
-        dcp.save(state, checkpoint_id=path, storage_writer=writer, planner=DrainPlanner(), process_group=pg)
-        mine = writer.written
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, mine, group=pg)
+        lookup = DefaultSavePlanner()  # the small items' values, by DCP's own names
+        lookup.set_up_planner(staging.rebuild(layout, None), None, self.rank == 0)
+        key = (layout.fingerprint(), tuple(sorted(lookup.mappings)))
+        planned = self._planned if self._planned and self._planned[0] == key else None
+        if all_ranks([planned is not None], pg)[0]:
+            gathered = self._write_planned(writer, lookup, planned, pg)
+        else:
+            dcp.save(staging.rebuild(layout, None, specs), checkpoint_id=path, storage_writer=writer,
+                     planner=DefaultSavePlanner(), process_group=pg)
+            self._planned = (key, writer.plan, writer.metadata)
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, writer.written, group=pg)
         if self.rank == 0:
             allfiles = {k: v for part in gathered for k, v in part.items()}
             allfiles.update(_checksums(path, [".metadata"]))
             files.atomic_write_json(os.path.join(path, MANIFEST),
                                     {"step": step, "job_id": self.job_id, "kind": "full",
                                      "files": allfiles})
-        return sum(v["size"] for v in mine.values())
+        return sum(v["size"] for v in writer.written.values())
+
+    def _write_planned(self, writer: "PartCopyWriter", lookup, planned, pg) -> list:
+        """Collective: the step written to a kept plan; each rank's files' checksums."""
+        _, plan, metadata = planned
+        writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
+        try:
+            results, why = writer.write_data(plan, lookup).value(), ""
+        except Exception as e:
+            results, why = None, describe(e)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, (results, why, writer.written), group=pg)
+        whys = "; ".join(f"rank {r}: {w}" for r, (_, w, _) in enumerate(gathered) if w)
+        if whys:
+            raise files.CorruptCheckpoint(whys)
+        if self.rank == 0:
+            writer.finish(metadata, [r for r, _, _ in gathered])
+        return [w for _, _, w in gathered]
 
     def _clear(self, path: str, pg) -> None:
         """Collective: make room at `path`, never touching another job's step. The same
