@@ -17,6 +17,7 @@ debugmodel and the 100M flavor, 2 CPU ranks, local every 3 steps, PFS every 6.
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -258,6 +259,7 @@ def main() -> None:
         "", READING,
     ])
     print(body)
+    shutil.rmtree(base, ignore_errors=True)  # several GiB of checkpoints per run
     record_targets("overhead", targets)
     if args.update:
         update_section(args.update, SECTION, body)
