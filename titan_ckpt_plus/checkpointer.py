@@ -6,8 +6,9 @@
       writer     thread: buffer -> local part, fsync; replicas; all ranks agree on a
                  gloo group; commit marker; local retention; hand PFS steps to the drain
       drain      drain.py: committed local part -> the PFS in DCP layout, a copy (from
-                 the staging buffer while it holds the step) on its own thread. The training loop never waits for it, except in flush() at
-                 the last step and close().
+                 the staging buffer while it holds the step) on its own thread. The
+                 training loop never waits for it, except in flush() at the last step
+                 and close().
 
 The writer and the drain run at background priority (`background_nice`, priority.py).
 

@@ -18,7 +18,8 @@ A step's data files are not serialized again: each rank's local part is already 
 DCP's per-rank form (staging.py lays every tensor out inside its torch.save frame), so
 PartCopyWriter copies the items DCP's own planner gives the rank from the part's bytes,
 read once in order and checked, and serializes only the small non-tensor items. DCP
-plans the step and writes its .metadata as for any save.
+plans a layout's first step and writes its .metadata as for any save; the later steps
+of that layout reuse the plan (PfsTier.save).
 
 Stock torchtitan loads these steps as they are (it ignores the extra manifest) and
 DCP reshards them to another parallel layout. A step without `.metadata` is torn and
@@ -122,7 +123,6 @@ class PartCopyWriter(FileSystemWriter):
         fut: Future = Future()
         fut.set_result(results)
         return fut
-
 
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
