@@ -45,16 +45,18 @@ MODELS = {
 LOCAL_EVERY, PFS_EVERY = 3, 6
 SECTION = "## Overhead: what training notices of checkpointing"
 READING = """How to read it. The drain is a copy: the local part is in DCP's per-rank form, so the
-drain plans the step with DCP's planner and writes this rank's frames from the staging buffer
-while it holds the step (else from the local file, checked), with O_DIRECT, verbatim when every
-item is this rank's; only the small non-tensor items are serialized. The last column is each
-background thread's own CPU time (rank 0): a save's copy + write is near the floor; a drain's is
-mostly DCP's per-drain planning and collectives (Python, 200-odd items here), which on debugmodel
-is several times the copy's cost, and which a plan and .metadata kept per layout would remove. On
-this 2-core machine both ranks keep both cores busy, so every background CPU millisecond shows in
-the step, and the PFS folder is on the same disk as the local one. The probe row times the three
-ways of making the PFS step in one idle process. The launch-bound rows are the same loop beside
-the same save + drain with the background threads at training's priority and 10 below it."""
+drain writes this rank's frames from the staging buffer while it holds the step (else from the
+local file, checked), with O_DIRECT, verbatim when every item is this rank's; a layout's first
+step is planned by DCP and the later ones reuse that plan and .metadata; only the small
+non-tensor items are serialized. The last column is each background thread's own CPU time
+(rank 0, kernel time included). The steps slow down by several times that CPU. In a separate
+debugmodel run with the background threads 10 below training's nice, the drain-step inflation
+was the same (+0.37 against +0.36 at nice 0), so CPU priority is not what is missing; the GIL
+the drain's Python takes and the fsyncs are the suspects, not yet timed apart. Both ranks keep
+both cores busy here, and the PFS folder is on the same disk as the local one. The probe row
+times the three ways of making the PFS step in one idle process. The launch-bound rows are the
+same loop beside the same save + drain with the background threads at training's priority and
+10 below it."""
 
 
 def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
