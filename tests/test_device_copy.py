@@ -407,3 +407,32 @@ def test_nccl_replication_moves_parts_in_chunks_through_one_reused_device_buffer
         chunks = [(p, n) for who, p, n in net.sent if who == r and n > 8]  # the bytes, not the sizes
         assert len(chunks) >= 4 and {p for p, _ in chunks} == {wires[r]._dev_buf.untyped_storage().data_ptr()}
         assert wires[r]._dev_buf.numel() == 1000
+
+
+def test_save_does_not_wait_for_a_drain_still_copying_from_the_buffer(one_rank, tmp_path):
+    """A drain writing a piece of the last step from the staging buffer to a slow PFS
+    holds its loan; the next save() must return without waiting for it (the copy
+    thread takes the buffer back), and the copy lands once the piece is written."""
+    from titan_ckpt_plus.drain import StagedBytes
+
+    state = _state()
+    ckpt = _engine(tmp_path, state, device_copy.Device())
+    loan = StagedBytes(bytearray(8), reclaimable=True)
+    ckpt._loans.append(loan)
+    loan.lock.acquire()  # the drain, mid-piece
+    released = threading.Event()
+
+    def piece_written():
+        released.set()
+        loan.lock.release()
+
+    timer = threading.Timer(1.0, piece_written)
+    timer.start()
+    ckpt.save(2)
+    assert not released.is_set(), "save() waited for the drain's piece"
+    ckpt.wait_for_staging()  # before optimizer.step(): by now the piece is written
+    assert released.is_set() and loan.taken_back and ckpt._loans == []
+    ckpt.close()
+    timer.join()
+    saved = _committed(ckpt, 2)
+    assert all(torch.equal(saved[k], v) for k, v in state.items())

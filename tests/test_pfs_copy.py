@@ -3,6 +3,7 @@ made a DCP step by PartCopyWriter; one rank, no torchrun."""
 
 import os
 import pickle
+import threading
 
 import pytest
 import torch
@@ -144,18 +145,23 @@ def test_staged_bytes_taken_back_mid_copy_and_unlent_ones_drain_to_the_same_file
         _drain(pfs, local, 4, layout, specs, pg, StagedBytes(memory.numpy(), reclaimable=True))
         assert step_file.read_bytes() == from_file and reads == []
         staged = StagedBytes(memory.numpy(), reclaimable=True)
-        real_write = pfs_mod._Appender.write
+        real_write = files.Appender.write
+        taker: list = []
 
         def write_then_take_back(self, data, crc=True):
+            if not taker:  # during the first piece, the next save's copy thread asks for the buffer
+                taker.append(threading.Thread(target=staged.take_back))
+                taker[0].start()
+                taker[0].join(0.2)
+                assert taker[0].is_alive(), "took the buffer back while its piece was being written"
             real_write(self, data, crc)
-            # the next save's take_back(), which gets the lock as soon as this piece is written
-            staged.taken_back = True
 
-        pfs_mod._Appender.write = write_then_take_back
-        try:
-            _drain(pfs, local, 4, layout, specs, pg, staged)
-        finally:
-            pfs_mod._Appender.write = real_write
+        monkeypatch.setattr(files.Appender, "write", write_then_take_back)
+        _drain(pfs, local, 4, layout, specs, pg, staged)
+        monkeypatch.setattr(files.Appender, "write", real_write)
+        taker[0].join(5)
+        assert staged.taken_back and not taker[0].is_alive()
+        # the rest came from the file, from the piece after the one being written
         assert step_file.read_bytes() == from_file and reads == [files.CHUNK]
         os.remove(local._part(4, "data"))
         _drain(pfs, local, 4, layout, specs, pg, StagedBytes(memory.numpy(), reclaimable=False))

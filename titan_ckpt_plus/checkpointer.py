@@ -177,7 +177,6 @@ class TieredCheckpointer:
         self.schedule.saved(step, pfs_due)
         t0 = time.monotonic()
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
-        self._take_back_loans()
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
         inline = last_step or not self.s.overlap_copy
@@ -211,7 +210,11 @@ class TieredCheckpointer:
 
     def _take_back_loans(self) -> None:
         """Before the buffer is written again: a drain still copying from it goes on
-        from the local file (it lets go within one piece)."""
+        from the local file. Called by the copy thread, not in save(): a drain lets go
+        only once the piece it is writing to the PFS is written, and the training
+        thread must not wait on the PFS (it waits for the copy only before
+        optimizer.step()). An inline copy (the last step, which flushes anyway;
+        early_step_in_backward) may wait here for that one piece."""
         while self._loans:
             self._loans.pop().take_back()
 
@@ -220,6 +223,7 @@ class TieredCheckpointer:
         faults.maybe_kill("kill_during_staging", job.step)
         faults.maybe_delay("slow_staging", job.step)
         try:
+            self._take_back_loans()
             self.buffer.copy_in(job.layout, tensors, job.progress, copy)
             # The writer needs these only after the data: made here, they overlap the disk.
             job.layout_bytes, job.fingerprint = job.layout.to_bytes(), job.layout.fingerprint()

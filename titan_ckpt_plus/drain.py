@@ -27,9 +27,9 @@ log = __import__("logging").getLogger("titan_ckpt_plus")
 
 
 class StagedBytes:
-    """A step's bytes in the staging buffer, lent to its drain. The next save takes
-    them back before it copies into the buffer (waiting at most for the piece being
-    written) and the drain goes on from the committed local file. A step whose local
+    """A step's bytes in the staging buffer, lent to its drain. The next save's copy
+    thread takes them back before it copies into the buffer (waiting at most for the
+    piece being written) and the drain goes on from the committed local file. A step whose local
     write failed has no file: its loan is not `reclaimable`, and the next save waits
     for the drain instead (the checkpointer keeps the buffer held)."""
 
@@ -40,8 +40,11 @@ class StagedBytes:
         self.taken_back = False
 
     def take_back(self) -> None:
+        """From the next piece on, the drain reads the file; returns once the piece
+        being written from memory (if any) is written."""
+        self.taken_back = True
         with self.lock:
-            self.taken_back = True
+            pass
 
 
 class PartSource:
