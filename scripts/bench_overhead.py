@@ -171,7 +171,7 @@ def drain_paths(nbytes: int, folder: Path) -> dict:
     local = LocalTier(str(folder / "local"), 0, 1, True, 2, job_id="bench")
     local.write_part(3, buf.data[: layout.total_bytes].numpy(), lambda: (layout.to_bytes(), {}))
     pfs = PfsTier(str(folder / "pfs"), 0, 1, 0, job_id="bench")
-    src = local._part(3, "data")
+    src = local.data_file(3)[0]
     out = {"dcp_save_s": [], "copy_s": [], "kernel_s": []}
     for i in range(3):
         t0 = time.perf_counter()

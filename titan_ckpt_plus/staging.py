@@ -23,7 +23,7 @@ import io
 import json
 import pickle
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,12 +59,16 @@ class StateLayout:
     skeleton: Any  # the state with each tensor replaced by {"__tensor__": index}
     entries: list[TensorEntry]
     total_bytes: int
+    _fingerprint: str | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> str:
         """Identifies the tensor table: a local step is loadable only by a job whose
-        state has the same paths, dtypes and local shapes."""
-        table = [(e.path, e.dtype, list(e.shape)) for e in self.entries]
-        return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+        state has the same paths, dtypes and local shapes. Made once per layout (the
+        copy thread and the drain both ask)."""
+        if self._fingerprint is None:
+            table = [(e.path, e.dtype, list(e.shape)) for e in self.entries]
+            self._fingerprint = hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+        return self._fingerprint
 
     def to_bytes(self) -> bytes:
         entries = [(e.path, e.dtype, e.shape, e.offset, e.nbytes, e.pre, e.post) for e in self.entries]
@@ -291,7 +295,7 @@ def write_frames(buf: torch.Tensor, layout: StateLayout) -> None:
     raw, end = buf.numpy(), 0
     for e in layout.entries:
         start, stop = e.frame
-        pre, post = frame(e.dtype, e.shape) if e.pre else (b"", b"")
+        pre, post = frame(e.dtype, e.shape)
         raw[end:start] = 0
         raw[start:e.offset] = memoryview(pre)
         raw[e.offset + e.nbytes:stop] = memoryview(post)

@@ -160,6 +160,13 @@ def _open_for_write(path: str, view: memoryview) -> tuple[int, bool]:
     return os.open(path, flags, 0o644), False
 
 
+def _buffered(fd: int) -> bool:
+    """Turn O_DIRECT off for the rest of a file (its last partial page, small records
+    after the bulk); returns False, the file's `direct` from then on."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    return False
+
+
 def write_all(fd: int, chunk: memoryview) -> None:
     """os.write until every byte is written (it may write fewer)."""
     while len(chunk):
@@ -214,7 +221,7 @@ class DurableBatch:
                 before_chunk(end)
             crc = checksum(chunk, crc)
             if direct and len(chunk) % PAGE:  # O_DIRECT takes whole pages only
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                direct = _buffered(fd)
             write_all(fd, chunk)
             if on_chunk:
                 on_chunk(end)
@@ -231,6 +238,45 @@ class DurableBatch:
         if exc_type is None:
             for _, tmp, path in self._open:
                 os.replace(tmp, path)
+
+
+class Appender:
+    """A file written in order, from pieces that arrive one by one: with O_DIRECT while
+    every piece is whole pages at a page-aligned address (a copy's bulk), buffered
+    after that (the last partial page, small records); its size and CRC-32C kept on
+    the way (`crc=False` for pieces whose checksum the caller already knows);
+    fsync'd, its pages dropped from the cache and closed at the end of the `with`
+    block."""
+
+    def __init__(self, path: str) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError:
+            self.fd, self.direct = os.open(path, flags, 0o644), False
+        self.size, self.crc = 0, 0
+
+    def write(self, data, crc: bool = True) -> None:
+        view = memoryview(data).cast("B")
+        if self.direct and (len(view) % PAGE or self.size % PAGE or (address(view) or 1) % PAGE):
+            self.direct = _buffered(self.fd)
+        write_all(self.fd, view)
+        self.size += len(view)
+        if crc:
+            self.crc = checksum(view, self.crc)
+
+    def __enter__(self) -> "Appender":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        try:
+            if exc_type is None:
+                os.fsync(self.fd)
+                if hasattr(os, "posix_fadvise"):  # written and durable: no need to cache it
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(self.fd)
 
 
 def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:

@@ -396,9 +396,7 @@ class LocalTier:
 
     def read_part(self, step: int, rank: int | None = None) -> tuple[bytes, bytearray, int]:
         """(layout bytes, data, bytes read), both verified against the manifest."""
-        m = self.manifest(step, rank)
-        if m is None:
-            raise files.CorruptCheckpoint(f"{self._part(step, 'json', rank)}: missing or unreadable")
+        m = self._present_manifest(step, rank)
         _, layout, data = self.read_raw(step, rank)
         files.check_bytes(self._part(step, "layout", rank), layout, m["files"]["layout"])
         files.check_bytes(self._part(step, "data", rank), data, m["files"]["data"])
@@ -407,10 +405,13 @@ class LocalTier:
     def data_file(self, step: int) -> tuple[str, dict]:
         """(path, manifest entry) of this rank's data file of `step`: what the drain
         reads when the staged bytes are gone. Raises if the part is not there."""
-        m = self.manifest(step)
+        return self._part(step, "data"), self._present_manifest(step)["files"]["data"]
+
+    def _present_manifest(self, step: int, rank: int | None = None) -> dict:
+        m = self.manifest(step, rank)
         if m is None:
-            raise files.CorruptCheckpoint(f"{self._part(step, 'json')}: missing or unreadable")
-        return self._part(step, "data"), m["files"]["data"]
+            raise files.CorruptCheckpoint(f"{self._part(step, 'json', rank)}: missing or unreadable")
+        return m
 
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)

@@ -29,7 +29,6 @@ manifest names another job is never used (`owners()`).
 """
 
 import contextlib
-import fcntl
 import os
 import shutil
 
@@ -103,7 +102,7 @@ class PartCopyWriter(FileSystemWriter):
             tensors.append((e.frame, item))
         spans = spans_of([f for f, _ in tensors], self.layout.total_bytes, SPAN_GAP)
         results = []
-        with _Appender(os.path.join(self.path, name)) as out:
+        with files.Appender(os.path.join(self.path, name)) as out:
             verbatim = spans == [(0, self.layout.total_bytes)] and self.source.crc is not None
             with contextlib.closing(self.source.pieces(spans)) as pieces:
                 for _, piece in pieces:
@@ -150,45 +149,6 @@ def _moved(offset: int, spans: list[tuple[int, int]]) -> int:
             return at + offset - a
         at += b - a
     raise ValueError(f"offset {offset} is in no span")
-
-
-class _Appender:
-    """A file written in order, with O_DIRECT while every piece is whole pages at a
-    page-aligned address (the spans), buffered after that (the last partial page, the
-    small items); its size and CRC-32C kept on the way; fsync'd and closed at the end
-    of the `with` block."""
-
-    def __init__(self, path: str) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.direct = hasattr(os, "O_DIRECT")
-        try:
-            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
-        except OSError:
-            self.fd, self.direct = os.open(path, flags, 0o644), False
-        self.size, self.crc = 0, 0
-
-    def write(self, data, crc: bool = True) -> None:
-        view = memoryview(data).cast("B")
-        if self.direct and (len(view) % files.PAGE or self.size % files.PAGE
-                            or (files.address(view) or 1) % files.PAGE):
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-            self.direct = False
-        files.write_all(self.fd, view)
-        self.size += len(view)
-        if crc:
-            self.crc = files.checksum(view, self.crc)
-
-    def __enter__(self) -> "_Appender":
-        return self
-
-    def __exit__(self, exc_type, *_) -> None:
-        try:
-            if exc_type is None:
-                os.fsync(self.fd)
-                if hasattr(os, "posix_fadvise"):  # written and durable: no need to cache it
-                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(self.fd)
 
 
 def describe(e: BaseException) -> str:
