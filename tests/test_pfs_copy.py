@@ -1,6 +1,7 @@
 """The PFS drain as a copy (issue 15): a local part, already in DCP's per-rank form,
 made a DCP step by PartCopyWriter; one rank, no torchrun."""
 
+import io
 import os
 import pickle
 import threading
@@ -227,3 +228,78 @@ def test_a_corrupt_local_part_never_becomes_a_pfs_step(pg, tmp_path):
     with pytest.raises(BaseException, match="crc32c"):
         _drain(pfs, local, 6, layout, specs, pg)
     assert not (tmp_path / "pfs" / "step-6" / ".metadata").exists() and pfs.steps() == []
+
+
+def test_a_later_step_keeps_the_plan_and_writes_its_own_small_items(pg, tmp_path, monkeypatch):
+    """A later step of the layout is not planned again, and its small items may differ
+    in value and in size (a longer dataloader state here): the .metadata records where
+    this step's landed, and each value is serialized once however many items hold it."""
+    planned, calls = [], []
+    real_dcp_save, real_save = dcp.save, torch.save
+    monkeypatch.setattr(dcp, "save", lambda *a, **k: (planned.append(1), real_dcp_save(*a, **k))[1])
+    local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
+    pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
+    layout, specs, _ = _stage_and_write(local, 4, _state(4))
+    _drain(pfs, local, 4, layout, specs, pg)
+    later = _state(5)
+    later["dataloader"]["dp_rank_0"] = pickle.dumps({"samples": 85, "seen": list(range(300))})
+    layout5, specs5, _ = _stage_and_write(local, 5, later)
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: (calls.append(type(obj).__name__),
+                                                                 real_save(obj, f, *a, **k))[1])
+    _drain(pfs, local, 5, layout5, specs5, pg)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert len(planned) == 1
+    # lr, the dataloader's bytes and train_state's two are new; world_size and params are not
+    assert sorted(calls) == ["bytes", "float", "int", "int"]
+    assert pfs.verify(5, pg) == (True, "")
+    back = _zeros_like(_state(9))
+    dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / "step-5"), process_group=pg)
+    _check_equal(back, later)
+    assert pickle.loads(back["dataloader"]["dp_rank_0"]) == {"samples": 85, "seen": list(range(300))}
+    assert back["train_state"] == {"step": 5, "ntokens_seen": 5000}
+    assert back["optimizer"]["param_groups"] == [{"lr": 5e-3, "params": ["w"]}]
+
+
+def test_the_manifest_is_in_place_before_the_metadata_that_completes_a_step(pg, tmp_path, monkeypatch):
+    """A step is complete, for DCP and for recovery, once it has a .metadata; the
+    manifest with its checksums is renamed into place first, both on the layout's
+    first step and on the later ones, so a complete step always has its checksums."""
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(files.os, "replace", lambda a, b: (renamed.append(os.path.basename(b)), real_replace(a, b))[1])
+    local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
+    pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
+    for step in (4, 5):
+        layout, specs, _ = _stage_and_write(local, step, _state(step))
+        renamed.clear()
+        _drain(pfs, local, step, layout, specs, pg)
+        assert renamed == [MANIFEST, ".metadata"], renamed
+
+
+def test_small_items_are_serialized_once_per_value_and_type():
+    small = pfs_mod.SmallItems()
+    assert small.serialize(1) is small.serialize(1)
+    outs = [small.serialize(v) for v in (1, 1.0, True, (0.9, 0.95), [0.9, 0.95])]
+    assert len({id(o) for o in outs}) == 5
+    for v, out in zip((1, 1.0, True, (0.9, 0.95), [0.9, 0.95]), outs):
+        back = torch.load(io.BytesIO(out), weights_only=False)
+        assert back == v and type(back) is type(v)
+
+
+def test_a_drain_times_its_phases(pg, tmp_path):
+    """Each phase's wall and CPU time go into the drain's event (what in a drain costs
+    the cores training runs on): DCP's planning on the layout's first step, the gather
+    and rank 0's .metadata on the later ones."""
+    from titan_ckpt_plus.telemetry import PhaseClock
+
+    local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
+    pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
+    seen = []
+    for step in (4, 5):
+        layout, specs, _ = _stage_and_write(local, step, _state(step))
+        clock = PhaseClock()
+        pfs.save(step, layout, specs, PartSource(layout.total_bytes, None, *local.data_file(step)), pg, clock=clock)
+        assert all(w >= 0 and c >= 0 for w, c in clock.phases.values())
+        seen.append(set(clock.phases))
+    assert seen[0] == {"clear", "items", "copy", "small_items", "dcp_save"}
+    assert seen[1] == {"clear", "items", "copy", "small_items", "gather", "metadata"}

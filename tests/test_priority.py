@@ -46,6 +46,16 @@ def test_threads_a_background_thread_starts_inherit_its_priority():
     assert seen["nice"] == min(19, base + 5)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux only")
+def test_a_background_thread_carries_its_name_in_the_kernel():
+    """top -H and /proc show where a training process's CPU goes, thread by thread."""
+    seen = []
+    device_copy.Device().start_thread(
+        lambda: seen.append(open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip()),
+        "ckpt-pfs-drainer").join()
+    assert seen == ["ckpt-pfs-draine"]  # the kernel keeps 15 characters
+
+
 def test_auto_lowers_only_with_an_accelerator():
     ckpt = config.Checkpoint()
     assert ckpt.background_nice == -1

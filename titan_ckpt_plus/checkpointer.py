@@ -32,7 +32,7 @@ from titan_ckpt_plus.drain import PfsDrain, StagedBytes
 from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
 from titan_ckpt_plus.replication import Part, Wire, check_part
-from titan_ckpt_plus.telemetry import EventLog
+from titan_ckpt_plus.telemetry import EventLog, PhaseClock
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
@@ -89,6 +89,7 @@ class _Job:
     ok: bool = False
     staging_s: float = 0.0
     staging_cpu_s: float = 0.0  # the copy thread's CPU time (inline copies: the training thread's too)
+    capture_s: float = 0.0  # the training thread's: torchtitan's state_dict() calls
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
     committed: bool = False
     loan: StagedBytes | None = None  # the staged bytes, lent to the drain (drain.py)
@@ -131,7 +132,7 @@ class TieredCheckpointer:
         self._pending = False
         self._pending_delta = 0.0
         self._pending_wait = 0.0
-        self._pending_step = -1
+        self._pending_job: _Job | None = None
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
         self.commit_pg = dist.new_group(backend="gloo")
@@ -156,6 +157,11 @@ class TieredCheckpointer:
                              device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
         self._write_q: queue.Queue = queue.Queue()
         self._writer = self._background(self._writer_loop, "ckpt-local-writer")
+        # One copy thread for the job, at training's priority (training waits for its
+        # copy before optimizer.step()); a thread started per save made save() wait
+        # for it to start, and to hand the GIL back.
+        self._copy_q: queue.Queue = queue.Queue()
+        self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy")
 
     def _background(self, target, name: str):
         """A thread on the rank's device, below training's CPU and I/O priority."""
@@ -181,7 +187,9 @@ class TieredCheckpointer:
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
         inline = last_step or not self.s.overlap_copy
         try:
-            job.layout, tensors, job.specs = staging.plan_layout(self.capture())
+            captured = self.capture()
+            job.capture_s = time.monotonic() - t0
+            job.layout, tensors, job.specs = staging.plan_layout(captured)
             self.buffer.ensure(job.layout.total_bytes)
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
@@ -198,11 +206,11 @@ class TieredCheckpointer:
             if inline:  # the last step (flushed below: nothing to overlap) or no overlap
                 self._copy(job, tensors, copy)
             else:
-                self.device.start_thread(self._copy, "ckpt-staging-copy", job, tensors, copy)
+                self._copy_q.put((job, tensors, copy))
         self._pending = True
         self._pending_delta = time.monotonic() - t0
         self._pending_wait = waited
-        self._pending_step = step
+        self._pending_job = job
         if inline:
             self.wait_for_staging()
         if last_step:
@@ -217,6 +225,10 @@ class TieredCheckpointer:
         early_step_in_backward) may wait here for that one piece."""
         while self._loans:
             self._loans.pop().take_back()
+
+    def _copy_loop(self) -> None:
+        while (work := self._copy_q.get()) is not None:
+            self._copy(*work)
 
     def _copy(self, job: _Job, tensors, copy: device_copy.Copy) -> None:
         cpu0 = time.thread_time()
@@ -247,12 +259,14 @@ class TieredCheckpointer:
         if self._pending_copy is not None:
             self._pending_copy.wait()
             self._pending_copy = None
-        delta = self._pending_delta + time.monotonic() - t0
+        waited = time.monotonic() - t0
+        delta = self._pending_delta + waited
         self._pending_delta = 0.0
-        self.events.record("stage", step=self._pending_step, tier="local", delta_s=delta,
-                           wait_prev_s=self._pending_wait)
+        job = self._pending_job
+        self.events.record("stage", step=job.step, tier="local", delta_s=delta,
+                           wait_prev_s=self._pending_wait, capture_s=job.capture_s, wait_copy_s=waited)
         if self.policy is not None:
-            self._review_intervals(self._pending_step, delta)
+            self._review_intervals(job.step, delta)
 
     def _review_intervals(self, step: int, delta: float) -> None:
         """After every save, both tiers' intervals against the policy's choice for this
@@ -340,6 +354,8 @@ class TieredCheckpointer:
         if self._preempt_work is not None:
             self._preempt_work.wait()
             self._preempt_work = None
+        self._copy_q.put(None)
+        self._copier.join()
         self._write_q.put(None)
         self._writer.join()
         self.drain.close()
@@ -434,7 +450,7 @@ class TieredCheckpointer:
     def _write(self, job: _Job) -> None:
         """The local write follows the staging copy chunk by chunk, so a step is
         durable about one write after the save began, not one copy plus one write."""
-        t0, cpu0 = time.monotonic(), time.thread_time()
+        t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()
         nbytes, own = 0, None
         if job.layout is not None:  # planned; the copy may still be running
             try:
@@ -452,12 +468,15 @@ class TieredCheckpointer:
                         why += f"; local disk full: {self.local.disk_full_note()}"
                     self.record_failure("local", job.step, why)
                 own = None
+        clock.mark("write")
         job.staged.wait()
+        clock.mark("wait_copy")
         staged_ok = job.ok  # the staging copy's outcome; a failed copy also failed the write
         job.ok = own is not None
         write_s = time.monotonic() - t0
         if self.placement is not None:
             job.ok = self._replicate(job, own) and job.ok
+            clock.mark("replicate")
         if job.pfs_due and staged_ok:
             # The drain copies the staged bytes while the buffer still holds them. If the
             # local disk failed this step they are its only copy: the buffer stays held
@@ -472,6 +491,7 @@ class TieredCheckpointer:
         # Every rank reaches this all-reduce, failed or not, so the groups stay in step.
         committed, drainable = all_ranks([job.ok, own is not None or job.loan is not None],
                                          self.commit_pg)
+        clock.mark("vote")
         if not committed:
             if job.ok:
                 self.record_failure("local", job.step, "another rank's part failed")
@@ -488,6 +508,7 @@ class TieredCheckpointer:
         except OSError as e:  # not a recovery candidate on this node; the drain goes on as voted
             self.record_failure("local", job.step, f"commit marker: {e!r}")
         else:
+            clock.mark("commit")
             self.stats.saves += 1
             self.stats.last_committed = job.step
             commit_s = time.monotonic() - job.started
@@ -497,7 +518,7 @@ class TieredCheckpointer:
             self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
                                staging_s=job.staging_s, background_write_s=write_s,
                                time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
-                               staging_cpu_s=job.staging_cpu_s)
+                               staging_cpu_s=job.staging_cpu_s, phases=clock.phases)
         if job.pfs_due:
             self.drain.submit(job)
         try:

@@ -103,6 +103,7 @@ class Device:
         return t
 
     def _run(self, target, nice: int, *args) -> None:
+        priority.name_this_thread(threading.current_thread().name)
         priority.lower_this_thread(nice)
         self._on_device(target, *args)
 

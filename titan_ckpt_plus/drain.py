@@ -19,9 +19,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from titan_ckpt_plus import faults
+from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import LocalTier
-from titan_ckpt_plus.tiers.pfs import PfsTier, all_ranks, describe
+from titan_ckpt_plus.tiers.pfs import PfsTier, describe
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
 
@@ -120,20 +121,18 @@ class PfsDrain:
         return PartSource(total, job.loan, *self.local.data_file(job.step))
 
     def _drain(self, job) -> None:
-        t0, cpu0 = time.monotonic(), time.thread_time()
+        t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()
         source, why = None, ""
         try:
             source = self._source(job)
             faults.maybe_fail("eio_pfs_write", job.step)
         except Exception as e:
             source, why = None, repr(e)
-        if not all_ranks([source is not None], self.pg)[0]:
-            self._failed("pfs", job.step, why or "another rank could not read its part")
-            return
-        try:
+        clock.mark("source")
+        try:  # collective: every rank goes in, its part readable or not
             nbytes = self.pfs.save(job.step, job.layout, job.specs, source, self.pg,
                                    before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step),
-                                   beside_export=job.beside_export)
+                                   beside_export=job.beside_export, clock=clock, why=why)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             self._failed("pfs", job.step, describe(e))
             return
@@ -142,10 +141,11 @@ class PfsDrain:
         self.last_seconds = time.monotonic() - t0
         self._info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
                    f"in {self.last_seconds:.3f}s (background)")
-        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
-                           background_write_s=self.last_seconds, cpu_s=time.thread_time() - cpu0,
-                           drain_lag_steps=self.stats.last_committed - job.step)
         try:
             self.pfs.purge()
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] PFS retention failed: {e!r}")
+        clock.mark("purge")
+        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
+                           background_write_s=self.last_seconds, cpu_s=time.thread_time() - cpu0,
+                           drain_lag_steps=self.stats.last_committed - job.step, phases=clock.phases)

@@ -60,6 +60,7 @@ class StateLayout:
     entries: list[TensorEntry]
     total_bytes: int
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
+    _structure: str | None = field(default=None, repr=False, compare=False)
 
     def fingerprint(self) -> str:
         """Identifies the tensor table: a local step is loadable only by a job whose
@@ -69,6 +70,20 @@ class StateLayout:
             table = [(e.path, e.dtype, list(e.shape)) for e in self.entries]
             self._fingerprint = hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
         return self._fingerprint
+
+    def structure(self) -> str:
+        """Identifies the skeleton apart from its values (keys, containers, the types of
+        its leaves): steps of a layout with the same structure get the same DCP plan,
+        however their values (lr, step counts) differ. Made once per layout."""
+        if self._structure is None:
+            def shape(obj: Any) -> Any:
+                if isinstance(obj, dict):
+                    return {k: shape(v) for k, v in obj.items()}
+                if isinstance(obj, (list, tuple)):
+                    return [type(obj).__name__, *map(shape, obj)]
+                return type(obj).__name__
+            self._structure = hashlib.sha256(pickle.dumps(shape(self.skeleton), protocol=4)).hexdigest()[:16]
+        return self._structure
 
     def to_bytes(self) -> bytes:
         entries = [(e.path, e.dtype, e.shape, e.offset, e.nbytes, e.pre, e.post) for e in self.entries]
@@ -329,6 +344,13 @@ def rebuild(layout: StateLayout, buffer: torch.Tensor | None, specs: dict | None
         return obj
 
     return walk(layout.skeleton)
+
+
+def value_at(skeleton: Any, path: tuple) -> Any:
+    """The skeleton's value at a DCP object path (its planner's `mappings`)."""
+    for key in path:
+        skeleton = skeleton[key]
+    return skeleton
 
 
 def copy_into(live: Any, saved: Any, path: str = "") -> Any:

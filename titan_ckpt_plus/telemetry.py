@@ -17,6 +17,22 @@ log = logging.getLogger("titan_ckpt_plus")
 PREFIX = "ckpt"
 
 
+class PhaseClock:
+    """Wall and thread-CPU seconds of a background task's phases, for its event: what
+    in a save or a drain costs the cores training runs on."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, list[float]] = {}
+        self._wall, self._cpu = time.monotonic(), time.thread_time()
+
+    def mark(self, name: str) -> None:
+        """The time since the previous mark is `name`'s (added up if named again)."""
+        wall, cpu = time.monotonic(), time.thread_time()
+        w, c = self.phases.setdefault(name, [0.0, 0.0])
+        self.phases[name] = [round(w + wall - self._wall, 5), round(c + cpu - self._cpu, 5)]
+        self._wall, self._cpu = wall, cpu
+
+
 # An "interval" record's per-tier fields and their metrics: the interval in use (s),
 # the policy's (Young's) tau, and the expected waste of each.
 _INTERVAL_METRICS = {"s": "interval/{tier}_s", "tau_s": "interval/{tier}_tau_s",

@@ -29,20 +29,26 @@ manifest names another job is never used (`owners()`).
 """
 
 import contextlib
+import io
 import os
+import pickle
 import shutil
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from titan_ckpt_plus import staging
+from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
 
 MANIFEST = "titan_ckpt_plus.json"
@@ -66,6 +72,34 @@ class CountingReader(FileSystemReader):
 SPAN_GAP = 64 << 10  # a gap this short (a replicated scalar's frame) is copied, keeping a span whole
 
 
+class SmallItems:
+    """The small non-tensor items torch.save'd as DCP does, memoized by value: a
+    torchtitan optimizer's flattened param groups give hundreds per rank (lr, betas,
+    eps ... per parameter), nearly all the same at every step, and one torch.save
+    each cost a drain tens of ms of CPU."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._memo: dict = {}
+
+    def serialize(self, obj) -> bytes:
+        try:
+            key = (type(obj), pickle.dumps(obj, protocol=4))
+        except Exception:  # not picklable as is: torch.save decides
+            key = None
+        out = self._memo.get(key) if key is not None else None
+        if out is None:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            out = buf.getvalue()
+            if key is not None:
+                if len(self._memo) >= self.LIMIT:
+                    self._memo.clear()
+                self._memo[key] = out
+        return out
+
+
 class PartCopyWriter(FileSystemWriter):
     """torchtitan's default DCP writer (one file per rank, fsync'd), whose tensor items
     are copied from a part already in DCP's per-rank form instead of torch.save'd.
@@ -76,32 +110,46 @@ class PartCopyWriter(FileSystemWriter):
     bulk goes to the file with O_DIRECT where it is taken, and a part whose items are
     all this rank's (FSDP, TP, PP) is copied verbatim, its CRC-32C then the local
     manifest's. An item DCP gave to another rank (a replicated tensor is written once)
-    is skipped when it leaves a gap of SPAN_GAP or more. `written`: each file's size and
-    CRC-32C, for the manifest; `before_write` runs first (faults)."""
+    is skipped when it leaves a gap of SPAN_GAP or more. The small items follow in one
+    write. `written`: each file's size and CRC-32C, for the manifest; `small_lengths`:
+    the small items' sizes in plan order; `before_write` runs first (faults).
 
-    def __init__(self, path: str, layout, source, before_write=None) -> None:
+    finish() makes the step's Metadata as DCP's own writer does but does not write it:
+    PfsTier writes it after the manifest, so a step complete by DCP's rule (it has a
+    .metadata) always has its checksums."""
+
+    def __init__(self, path: str, layout, source, before_write=None, clock=None,
+                 small: SmallItems | None = None) -> None:
         super().__init__(path)
         self.layout, self.source, self.before_write = layout, source, before_write
+        self.clock = clock or PhaseClock()
+        self.small = small or SmallItems()
         self.written: dict[str, dict] = {}
+        self.small_lengths: list[int] = []
         self.plan = self.metadata = None  # what DCP planned, kept for the next drains
+        self.mappings: dict = {}
 
     def write_data(self, plan, planner):
+        """`planner`: DCP's, or anything with its `mappings` (item name -> object path)."""
         self.plan = plan
+        self.mappings = {item.index.fqn: planner.mappings[item.index.fqn] for item in plan.items}
         if self.before_write:
             self.before_write()
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         frames = {e.path: e for e in self.layout.entries}
         tensors, blobs = [], []
         for item in plan.items:
+            path = planner.mappings[item.index.fqn]
             if item.type == WriteItemType.BYTE_IO:
-                blobs.append(item)
+                blobs.append((item, self.small.serialize(staging.value_at(self.layout.skeleton, path))))
                 continue
-            e = frames.get("/" + "/".join(map(str, planner.mappings[item.index.fqn])))
+            e = frames.get("/" + "/".join(map(str, path)))
             if e is None or not e.pre:
                 raise files.CorruptCheckpoint(f"{item.index.fqn}: not in the part's layout, or not framed")
             tensors.append((e.frame, item))
         spans = spans_of([f for f, _ in tensors], self.layout.total_bytes, SPAN_GAP)
         results = []
+        self.clock.mark("items")
         with files.Appender(os.path.join(self.path, name)) as out:
             verbatim = spans == [(0, self.layout.total_bytes)] and self.source.crc is not None
             with contextlib.closing(self.source.pieces(spans)) as pieces:
@@ -111,21 +159,70 @@ class PartCopyWriter(FileSystemWriter):
                 raise files.CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
             if verbatim:
                 out.crc = self.source.crc
+            self.clock.mark("copy")
             for (start, end), item in tensors:
                 results.append(WriteResult(item.index, end - start,
                                            _StorageInfo(name, _moved(start, spans), end - start)))
-            for item in blobs:  # train_state, the dataloader's, lr: serialized as DCP does
-                data = planner.resolve_data(item).getbuffer()
-                results.append(WriteResult(item.index, len(data), _StorageInfo(name, out.size, len(data))))
-                out.write(data)
+            at = out.size
+            for item, data in blobs:  # train_state, the dataloader's, lr ...: as DCP serializes them
+                results.append(WriteResult(item.index, len(data), _StorageInfo(name, at, len(data))))
+                at += len(data)
+            if blobs:
+                out.write(b"".join(data for _, data in blobs))
+        self.small_lengths = [len(data) for _, data in blobs]
         self.written[name] = {"size": out.size, files.SUM: out.crc}
+        self.clock.mark("small_items")  # and the file's fsync (Appender's close)
         fut: Future = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)
+        """FileSystemWriter.finish without the write (see the class)."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        metadata.storage_meta = self.storage_meta()
         self.metadata = metadata
+
+
+@dataclass
+class KeptPlan:
+    """What DCP planned for a layout's first PFS step, kept for the layout's later steps
+    (DCP would plan them the same way): this rank's plan and DCP's item names; on rank
+    0 the step's Metadata, and where each file's small items start and how long they
+    are, which is all that changes from step to step."""
+
+    key: tuple
+    plan: Any
+    mappings: dict  # item name -> object path in the state
+    small: SmallItems
+    metadata: Any = None  # rank 0
+    small_items: dict = field(default_factory=dict)  # rank 0: file -> (start, [index], [length])
+
+    @staticmethod
+    def small_items_of(metadata) -> dict:
+        """file -> (where its small items start, their indexes and lengths in write order)."""
+        by_file: dict = {}
+        for index, info in metadata.storage_data.items():
+            if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata):
+                by_file.setdefault(info.relative_path, []).append((info.offset, index, info.length))
+        out = {}
+        for name, items in by_file.items():
+            items.sort(key=lambda t: t[0])
+            out[name] = (items[0][0], [i for _, i, _ in items], [n for _, _, n in items])
+        return out
+
+    def update(self, name: str, lengths: list[int]) -> None:
+        """Rank 0: a file's small items as this step wrote them."""
+        start, indexes, known = self.small_items.get(name, (0, [], []))
+        if lengths == known:
+            return
+        if len(lengths) != len(indexes):
+            raise files.CorruptCheckpoint(f"{name}: {len(lengths)} small items written, {len(indexes)} planned")
+        at = start
+        for index, n in zip(indexes, lengths):
+            self.metadata.storage_data[index] = _StorageInfo(name, at, n)
+            at += n
+        self.small_items[name] = (start, indexes, lengths)
 
 
 def spans_of(frames: list[tuple[int, int]], total: int, gap: int) -> list[tuple[int, int]]:
@@ -183,7 +280,7 @@ class PfsTier:
         self.rank = rank
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
-        self._planned = None  # (layout key, this rank's plan, rank 0's metadata): see save()
+        self._kept: KeptPlan | None = None  # the plan of the layout drained last: see save()
 
     def _dir(self, step: int, beside_export: bool = False) -> str:
         return os.path.join(self.folder, FULL_STATE if beside_export else "", f"step-{step}")
@@ -227,70 +324,95 @@ class PfsTier:
         return not any(k == "train_state" or k.startswith("train_state.") for k in keys)
 
     def save(self, step: int, layout, specs: dict, source, pg, before_write=None,
-             beside_export: bool = False) -> int:
+             beside_export: bool = False, clock=None, why: str = "") -> int:
         """Collective over `pg`: this rank's part of the step, copied from `source` (laid
-        out as `layout` says; `specs`: the DTensors' for DCP's planner), then the manifest.
+        out as `layout` says; `specs`: the DTensors' for DCP's planner; None if this
+        rank could not read its part, `why`), then rank 0's manifest and .metadata.
         Returns this rank's bytes. `beside_export`: the last step, whose step-N
         torchtitan's export will hold.
 
         The first step of a layout is planned by dcp.save with PartCopyWriter. DCP would
         make the same plan and .metadata for every later step of that layout, at a cost
         in Python and collectives the copy does not have (most of a drain's CPU on a
-        small model), so they are kept: a later step is the copy, one gather of what
-        every rank wrote, and rank 0's .metadata and manifest."""
+        small model), so they are kept (KeptPlan): a later step is one all-reduce, the
+        copy, one gather of what every rank wrote, and rank 0's manifest and .metadata."""
+        clock = clock or PhaseClock()
         path = self._dir(step, beside_export)
-        self._clear(path, pg)
+        blocked = self._make_room(path) if self.rank == 0 else ""
+        key = (layout.fingerprint(), layout.structure())
+        kept = self._kept if self._kept and self._kept.key == key else None
+        readable, room, planned = all_ranks([source is not None, not blocked, kept is not None], pg)
+        if not readable:
+            raise files.CorruptCheckpoint(why if source is None else "another rank could not read its part")
+        if not room:
+            raise files.CorruptCheckpoint(blocked or f"rank 0 could not make room at {path} (see its log)")
         os.makedirs(path, exist_ok=True)
-        writer = PartCopyWriter(path, layout, source, before_write)
-        lookup = DefaultSavePlanner()  # the small items' values, by DCP's own names
-        lookup.set_up_planner(staging.rebuild(layout, None), None, self.rank == 0)
-        key = (layout.fingerprint(), tuple(sorted(lookup.mappings)))
-        planned = self._planned if self._planned and self._planned[0] == key else None
-        if all_ranks([planned is not None], pg)[0]:
-            gathered = self._write_planned(writer, lookup, planned, pg)
+        clock.mark("clear")
+        small = kept.small if planned else SmallItems()
+        writer = PartCopyWriter(path, layout, source, before_write, clock, small)
+        if planned:
+            self._write_planned(step, writer, kept, pg, clock)
         else:
             dcp.save(staging.rebuild(layout, None, specs), checkpoint_id=path, storage_writer=writer,
                      planner=DefaultSavePlanner(), process_group=pg)
-            self._planned = (key, writer.plan, writer.metadata)
             gathered = [None] * self.world_size
             dist.all_gather_object(gathered, writer.written, group=pg)
-        if self.rank == 0:
-            allfiles = {k: v for part in gathered for k, v in part.items()}
-            allfiles.update(_checksums(path, [".metadata"]))
-            files.atomic_write_json(os.path.join(path, MANIFEST),
-                                    {"step": step, "job_id": self.job_id, "kind": "full",
-                                     "files": allfiles})
+            self._kept = KeptPlan(key, writer.plan, writer.mappings, small, writer.metadata)
+            if self.rank == 0:
+                self._kept.small_items = KeptPlan.small_items_of(writer.metadata)
+                self._seal(step, path, {k: v for part in gathered for k, v in part.items()}, writer.metadata)
+            clock.mark("dcp_save")
         return sum(v["size"] for v in writer.written.values())
 
-    def _write_planned(self, writer: "PartCopyWriter", lookup, planned, pg) -> list:
-        """Collective: the step written to a kept plan; each rank's files' checksums."""
-        _, plan, metadata = planned
+    def _write_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, pg, clock) -> None:
+        """Collective: the step written to a kept plan; rank 0 seals it."""
         writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
         try:
-            results, why = writer.write_data(plan, lookup).value(), ""
+            writer.write_data(kept.plan, kept).wait()
+            why = ""
         except Exception as e:
-            results, why = None, describe(e)
+            why = describe(e)
+        mine = (why, writer.written, writer.small_lengths)
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, (results, why, writer.written), group=pg)
-        whys = "; ".join(f"rank {r}: {w}" for r, (_, w, _) in enumerate(gathered) if w)
+        dist.all_gather_object(gathered, mine, group=pg)
+        clock.mark("gather")
+        whys = "; ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(gathered) if w)
         if whys:
             raise files.CorruptCheckpoint(whys)
         if self.rank == 0:
-            writer.finish(metadata, [r for r, _, _ in gathered])
-        return [w for _, _, w in gathered]
+            for _, written, lengths in gathered:
+                for name in written:
+                    kept.update(name, lengths)
+            kept.metadata.storage_meta = writer.storage_meta()
+            self._seal(step, writer.path, {k: v for _, w, _ in gathered for k, v in w.items()}, kept.metadata)
+            clock.mark("metadata")
 
-    def _clear(self, path: str, pg) -> None:
-        """Collective: make room at `path`, never touching another job's step. The same
-        step saved again after a restart must not mix two incarnations' files under one
-        .metadata, so this job's old files there go first."""
-        why = ""
-        if self.rank == 0 and os.path.isdir(path):
+    def _seal(self, step: int, path, data_files: dict, metadata) -> None:
+        """Rank 0: the manifest, then the .metadata that makes the step complete (DCP's
+        own rule), both fsync'd before either is renamed into place."""
+        data = pickle.dumps(metadata)
+        manifest = {"step": step, "job_id": self.job_id, "kind": "full",
+                    "files": {**data_files, ".metadata": files.entry(data)}}
+        with files.DurableBatch() as batch:
+            batch.write(os.path.join(path, MANIFEST), files.json_bytes(manifest))
+            batch.write(os.path.join(path, ".metadata"), data)
+        files.fsync_dir(str(path))
+
+    def _make_room(self, path: str) -> str:
+        """Rank 0: empty `path` of this job's old files ("" when done), never touching
+        another job's (its reason then). The same step saved again after a restart must
+        not mix two incarnations' files under one .metadata."""
+        if os.path.isdir(path):
             owner = _read_owner(path)
             if owner not in (None, self.job_id):
-                why = f"{path} exists and belongs to job {owner}; not overwritten"
-            else:
-                shutil.rmtree(path)
-        why = agree(why, pg)  # also the barrier: no rank writes before the old files are gone
+                return f"{path} exists and belongs to job {owner}; not overwritten"
+            shutil.rmtree(path)
+        return ""
+
+    def _clear(self, path: str, pg) -> None:
+        """Collective: _make_room on rank 0, the others waiting (it is also the barrier:
+        no rank writes before the old files are gone)."""
+        why = agree(self._make_room(path) if self.rank == 0 else "", pg)
         if why:
             raise files.CorruptCheckpoint(why)
 
