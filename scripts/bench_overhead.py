@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 from bench_save import machine_limits, pooled_limits  # noqa: E402
 from benchmd import record_targets, update_section  # noqa: E402
+import harness  # noqa: E402
 from harness import ckpt_events, events, torchrun  # noqa: E402
 
 from titan_ckpt_plus.tiers import files  # noqa: E402
@@ -47,16 +48,22 @@ SECTION = "## Overhead: what training notices of checkpointing"
 READING = """How to read it. The drain is a copy: the local part is in DCP's per-rank form, so the
 drain writes this rank's frames from the staging buffer while it holds the step (else from the
 local file, checked), with O_DIRECT, verbatim when every item is this rank's; a layout's first
-step is planned by DCP and the later ones reuse that plan and .metadata; only the small
-non-tensor items are serialized. The last column is each background thread's own CPU time
-(rank 0, kernel time included). The steps slow down by several times that CPU. In a separate
-debugmodel run with the background threads 10 below training's nice, the drain-step inflation
-was the same (+0.37 against +0.36 at nice 0), so CPU priority is not what is missing; the GIL
-the drain's Python takes and the fsyncs are the suspects, not yet timed apart. Both ranks keep
-both cores busy here, and the PFS folder is on the same disk as the local one. The probe row
-times the three ways of making the PFS step in one idle process. The launch-bound rows are the
-same loop beside the same save + drain with the background threads at training's priority and
-10 below it."""
+step is planned by DCP and the later ones reuse that plan and its Metadata; only the small
+non-tensor items are serialized, each value once. The CPU column is each background thread's
+own CPU time on rank 0 (kernel time included); the phase lines split it (median of the later
+saves and drains; rank 1 writes no .metadata). What the steps pay for it was timed apart in
+separate debugmodel runs, each replacing one part of the drain: the data copy alone costs the
+steps nothing measurable; 15 ms of background CPU costs them about 20-30 ms whether it is
+Python holding the GIL or CRC-32C without it, and a 0.2 ms GIL switch interval, nice 19 and
+SCHED_IDLE each changed little. Both ranks keep both cores about 85% busy, and a rank slowed by
+its own background work holds the other at the next collective. So what is left is CPU: the
+floor itself (copy + CRC), the O_DIRECT write's kernel time, and on rank 0 the pickling of the
+step's .metadata (torchtitan flattens the optimizer's param groups per parameter: about 1,400
+items for debugmodel). The PFS folder is on the same disk as the local one, and the disk's
+speed changes from second to second. Peak RSS is each job's largest rank's, to the KiB. The
+probe row times the three ways of making the PFS step in one idle process. The launch-bound
+rows are the same loop beside the same save + drain with the background threads at training's
+priority and 10 below it."""
 
 
 def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
@@ -66,10 +73,22 @@ def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
               "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only"]
     ckpt = ([f"--checkpoint.local_interval={LOCAL_EVERY}", f"--checkpoint.interval={PFS_EVERY}"] if tiers
             else ["--checkpoint.no-enable"])
-    proc = torchrun(work, *common, *ckpt, timeout=1800, digests=False)
+    launch = harness.LAUNCH
+    harness.LAUNCH = [sys.executable, "-c", _PEAK_RSS, *launch]
+    try:
+        proc = torchrun(work, *common, *ckpt, timeout=1800, digests=False)
+    finally:
+        harness.LAUNCH = launch
     assert proc.returncode == 0, proc.stdout[-3000:]
-    rss = [float(x) for x in re.findall(r"memory:\s+([0-9.]+)GiB", re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout))]
-    return proc, max(rss) * 2**30
+    return proc, int(re.findall(r"peak RSS of any rank: (\d+) KiB", proc.stdout)[-1]) * 1024
+
+
+# torchrun under a parent that reports its descendants' peak RSS once they exit: the
+# largest rank's, to the KiB (torchtitan's log prints it to 0.01 GiB, a quarter of
+# debugmodel's state)
+_PEAK_RSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+             "print('peak RSS of any rank: %d KiB' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+             "sys.exit(rc)")
 
 
 def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
@@ -95,6 +114,14 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
     return out
 
 
+def phases(evs: list[dict]) -> str:
+    """Median CPU (wall) ms of each phase over events that record them."""
+    names = list(dict.fromkeys(k for e in evs for k in e.get("phases", {})))
+    return ", ".join(f"{k} {statistics.median(e['phases'][k][1] for e in evs if k in e['phases']) * 1e3:.1f} "
+                     f"({statistics.median(e['phases'][k][0] for e in evs if k in e['phases']) * 1e3:.0f})"
+                     for k in names)
+
+
 def floor_s(nbytes: int) -> float:
     """memcpy + CRC-32C of `nbytes`, alone: the least a save can cost a core."""
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(3)
@@ -108,7 +135,7 @@ def floor_s(nbytes: int) -> float:
     return statistics.median(best)
 
 
-def launch_bound(nbytes: int, folder: Path, nice: int, rounds: int = 3) -> dict:
+def launch_bound(nbytes: int, folder: Path, nice: int, rounds: int = 5) -> dict:
     """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
     run in this process (world size 1, gloo), their threads `nice` below the loop's."""
     import torch.distributed as dist
@@ -205,7 +232,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    rows, targets, probe = [], [], ""
+    rows, targets, probe, phase_lines = [], [], "", []
     for flavor in args.models.split(","):
         work_on, work_off = base / f"{flavor}-tiers", base / f"{flavor}-off"
         _, rss_off = run_job(work_off, flavor, tiers=False)
@@ -223,6 +250,8 @@ def main() -> None:
         save_cpu = statistics.median(e["cpu_s"] + e["staging_cpu_s"] for e in commits)
         drain_cpu = statistics.median(e["cpu_s"] for e in ckpt_events(work_on, "pfs_commit"))
         bound_s = 2 * rank_bytes / limits["write_Bps"]
+        phase_lines.append(f"{flavor}, rank 0, CPU ms by phase (wall ms): "
+                           f"a save's write: {phases(commits[1:])}; a drain: {phases(ckpt_events(work_on, 'pfs_commit')[1:])}")
         extra = rss_on - rss_off
         rows.append(f"| {flavor} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
                     f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
@@ -262,6 +291,7 @@ def main() -> None:
         *rows, "",
         "| target | measured | wanted | met? |", "|---|---|---|---|",
         *[f"| {w} | {m} | {t} | {'met' if ok else '**NOT met**'} |" for w, m, t, ok in targets],
+        "", *[f"- {line}" for line in phase_lines],
         "", "The drain's ways, side by side: " + probe if probe else "",
         "", READING,
     ])

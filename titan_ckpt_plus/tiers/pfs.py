@@ -17,9 +17,10 @@ and never purged: `steps()` lists resumable steps only.
 A step's data files are not serialized again: each rank's local part is already in
 DCP's per-rank form (staging.py lays every tensor out inside its torch.save frame), so
 PartCopyWriter copies the items DCP's own planner gives the rank from the part's bytes,
-read once in order and checked, and serializes only the small non-tensor items. DCP
-plans a layout's first step and writes its .metadata as for any save; the later steps
-of that layout reuse the plan (PfsTier.save).
+read once in order and checked, and serializes only the small non-tensor items (each
+value once: SmallItems). DCP plans a layout's first step; the later steps of that
+layout reuse the plan and its Metadata (KeptPlan). Rank 0 writes the manifest, then
+the .metadata that completes the step, the same Metadata DCP's own writer would.
 
 Stock torchtitan loads these steps as they are (it ignores the extra manifest) and
 DCP reshards them to another parallel layout. A step without `.metadata` is torn and
