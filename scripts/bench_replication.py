@@ -12,6 +12,7 @@
 """
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -84,6 +85,9 @@ def restarts(base: Path) -> list[dict]:
     killed = base / "killed"
     procs = torchrun_nodes(killed, *common, fault="kill_after_step@7:3", loss_log="run1.jsonl", timeout=900)
     assert any(p.returncode for p in procs)
+    # Each scenario restarts a copy of the killed job's folders: a moved dump folder is
+    # another job's (issue 12) unless the restart adopts its identity, as a user would.
+    job_id = json.loads((killed / "dump" / "titan_ckpt_plus" / "job.json").read_text())["job_id"]
     rows = []
     for name, wipe in (("own disk", []), ("neighbor", ["local/1"]), ("PFS", ["local"])):
         work = base / name.replace(" ", "_")
@@ -91,7 +95,8 @@ def restarts(base: Path) -> list[dict]:
         for w in wipe:
             shutil.rmtree(work / w)
         t0 = time.time()
-        procs = torchrun_nodes(work, *common, loss_log="run2.jsonl", timeout=900)
+        procs = torchrun_nodes(work, *common, f"--checkpoint.adopt_job={job_id}", loss_log="run2.jsonl",
+                               timeout=900)
         assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:]
         rec = ckpt_events(work, "recovery")[-1]
         first = min(e["time"] for e in events(work / "run2.jsonl", "loss"))
