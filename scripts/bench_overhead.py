@@ -257,7 +257,7 @@ def main() -> None:
                     f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
                     f"{infl.get('first_local', float('nan')):+.3f} / {infl.get('first_drain', float('nan')):+.3f} | "
                     f"{drain_s:.2f} s / {bound_s:.2f} s = {drain_s / bound_s:.1f}x | "
-                    f"{rss_off / 2**30:.2f} / {rss_on / 2**30:.2f} GiB: {extra / rank_bytes:.1f}x | "
+                    f"{rss_off / 2**30:.3f} / {rss_on / 2**30:.3f} GiB: {extra / rank_bytes:.2f}x | "
                     f"{floor * und * 1e3:.0f} / {save_cpu * 1e3:.0f} / {drain_cpu * 1e3:.0f} ms |")
         for k in ("local", "drain"):
             if k in infl:
@@ -265,7 +265,7 @@ def main() -> None:
                                 f"<= floor {floor:.3f} + 0.03", infl[k] <= floor + 0.03))
         targets.append((f"{flavor}: drain time / (node bytes / PFS bw)", f"{drain_s / bound_s:.1f}x", "<= 1.5x",
                         drain_s / bound_s <= 1.5))
-        targets.append((f"{flavor}: extra peak RSS / state bytes", f"{extra / rank_bytes:.1f}x", "<= 1.1x",
+        targets.append((f"{flavor}: extra peak RSS / state bytes", f"{extra / rank_bytes:.2f}x", "<= 1.1x",
                         extra / rank_bytes <= 1.1))
         if flavor == "100M":
             fc = drain_paths(int(rank_bytes), base / "paths")

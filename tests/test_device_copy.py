@@ -8,6 +8,7 @@ thread and that thread's current device, so the tests see who called what, where
 whether a group was reported staged before its copy ran.
 """
 
+import os
 import queue
 import threading
 from contextlib import contextmanager
@@ -436,3 +437,37 @@ def test_save_does_not_wait_for_a_drain_still_copying_from_the_buffer(one_rank, 
     timer.join()
     saved = _committed(ckpt, 2)
     assert all(torch.equal(saved[k], v) for k, v in state.items())
+
+
+def test_the_copy_thread_checksums_what_it_staged_and_the_writer_does_not(one_rank, tmp_path, monkeypatch):
+    """The local part's CRC-32C is taken group by group right after each group is
+    copied (the bytes still in the cache), on the copy thread; the writer only writes.
+    The manifest's CRC must still be the file's, save after save (the buffer reused)."""
+    from titan_ckpt_plus.tiers import files
+
+    where = []
+    real = files.checksum
+
+    def counted(data, value=0):
+        where.append((threading.current_thread().name, memoryview(data).nbytes))
+        return real(data, value)
+
+    monkeypatch.setattr(files, "checksum", counted)
+    monkeypatch.setattr(staging, "checksum", counted)
+    state = _state()
+    ckpt = _engine(tmp_path, state, device_copy.Device())
+    for step in (2, 4):
+        for t in state.values():
+            t.add_(1)
+        where.clear()
+        ckpt.save(step)
+        ckpt.wait_for_staging()
+        ckpt.flush()
+        data_file, expect = ckpt.local.data_file(step)
+        staged = sum(n for name, n in where if name == "ckpt-staging-copy")
+        written = sum(n for name, n in where if name == "ckpt-local-writer")
+        assert staged == os.path.getsize(data_file) and written < 4096  # the writer: the small files only
+        size, crc = files.checksum_file(data_file)
+        assert {"size": size, files.SUM: crc} == {"size": expect["size"], files.SUM: expect[files.SUM]}
+        assert all(torch.equal(v, state[k]) for k, v in _committed(ckpt, step).items())
+    ckpt.close()

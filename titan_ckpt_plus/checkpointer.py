@@ -458,7 +458,7 @@ class TieredCheckpointer:
                 manifest, layout_bytes = self.local.write_part(
                     job.step, data, lambda: self._describe(job),
                     on_chunk=lambda _n: self._write_faults(job.step),
-                    before_chunk=job.progress.wait)
+                    before_chunk=job.progress.wait, known_crc=lambda: job.progress.crc)
                 own = Part(manifest, layout_bytes, data)
                 nbytes = own.nbytes()
             except Exception as e:

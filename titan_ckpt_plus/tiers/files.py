@@ -206,10 +206,12 @@ class DurableBatch:
     def __enter__(self) -> "DurableBatch":
         return self
 
-    def write(self, path: str, data, on_chunk=None, before_chunk=None) -> dict:
+    def write(self, path: str, data, on_chunk=None, before_chunk=None, known_crc=None) -> dict:
         """Write `data` (a buffer) for `path`; returns its manifest entry.
         `before_chunk(end)` may block until data[:end] is ready (the write follows the
-        staging copy); `on_chunk(bytes_written)` runs between chunks (fault injection)."""
+        staging copy); `on_chunk(bytes_written)` runs between chunks (fault injection);
+        `known_crc()`, if given, is the CRC-32C of all of `data` once it is ready (the
+        staging copy took it), so none is computed here."""
         view = memoryview(data).cast("B")
         crc = 0
         tmp = f"{path}.tmp{os.getpid()}"
@@ -219,13 +221,14 @@ class DurableBatch:
             chunk = view[start:end]
             if before_chunk:
                 before_chunk(end)
-            crc = checksum(chunk, crc)
+            if known_crc is None:
+                crc = checksum(chunk, crc)
             if direct and len(chunk) % PAGE:  # O_DIRECT takes whole pages only
                 direct = _buffered(fd)
             write_all(fd, chunk)
             if on_chunk:
                 on_chunk(end)
-        return {"size": len(view), SUM: crc}
+        return {"size": len(view), SUM: crc if known_crc is None else known_crc()}
 
     def __exit__(self, exc_type, *_) -> None:
         try:

@@ -272,7 +272,8 @@ class LocalTier:
         r = self.rank if rank is None else rank
         return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
 
-    def write_part(self, step: int, data, describe, on_chunk=None, before_chunk=None) -> tuple[bytes, bytes]:
+    def write_part(self, step: int, data, describe, on_chunk=None, before_chunk=None,
+                   known_crc=None) -> tuple[bytes, bytes]:
         """Write this rank's part durably; returns its manifest's bytes (what a
         replica receiver stores as is) and its layout's. `describe()` gives the layout
         bytes and the manifest's fields; it is called once the data is written, so
@@ -280,7 +281,7 @@ class LocalTier:
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [self.rank])
         with files.DurableBatch() as batch:
-            data_entry = batch.write(self._part(step, "data"), data, on_chunk, before_chunk)
+            data_entry = batch.write(self._part(step, "data"), data, on_chunk, before_chunk, known_crc)
             layout_bytes, meta = describe()
             manifest = dict(meta, job_id=self.job_id, step=step, rank=self.rank,
                             world_size=self.world_size, written_at=time.time())
