@@ -44,6 +44,7 @@ MODELS = {
     "100M": (32, 1, 38),
 }
 LOCAL_EVERY, PFS_EVERY = 3, 6
+RUNS = 2  # jobs with the tiers on, and as many with checkpointing off
 SECTION = "## Overhead: what training notices of checkpointing"
 READING = """How to read it. The drain is a copy: the local part is in DCP's per-rank form, so the
 drain writes this rank's frames from the staging buffer while it holds the step (else from the
@@ -60,7 +61,8 @@ its own background work holds the other at the next collective. So what is left 
 floor itself (copy + CRC), the O_DIRECT write's kernel time, and on rank 0 the pickling of the
 step's .metadata (torchtitan flattens the optimizer's param groups per parameter: about 1,400
 items for debugmodel). The PFS folder is on the same disk as the local one, and the disk's
-speed changes from second to second. Peak RSS is each job's largest rank's, to the KiB. The
+speed changes from second to second. Peak RSS is a job's largest rank's, to the KiB, the least
+of the jobs each way (the same job's peak moves by up to a tenth from run to run). The
 probe row times the three ways of making the PFS step in one idle process. The launch-bound
 rows are the same loop beside the same save + drain with the background threads at training's
 priority and 10 below it."""
@@ -112,6 +114,11 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
         elif (s - 2) % LOCAL_EVERY != 0 and s > LOCAL_EVERY + 2:  # two steps clear of a save
             out["undisturbed"].append(b - a)
     return out
+
+
+def later(works: list[Path], kind: str) -> list[dict]:
+    """Each run's events of `kind` but its first (a layout's first save or drain)."""
+    return [e for w in works for e in ckpt_events(w, kind)[1:]]
 
 
 def phases(evs: list[dict]) -> str:
@@ -234,24 +241,36 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     rows, targets, probe, phase_lines = [], [], "", []
     for flavor in args.models.split(","):
-        work_on, work_off = base / f"{flavor}-tiers", base / f"{flavor}-off"
-        _, rss_off = run_job(work_off, flavor, tiers=False)
-        _, rss_on = run_job(work_on, flavor, tiers=True)
-        commits = ckpt_events(work_on, "local_commit")
+        # RUNS jobs each way, interleaved: a job's own peak RSS moves by up to a tenth from
+        # run to run (the least of each way is taken), and the steps' samples are pooled,
+        # each against its own run's undisturbed step
+        ons, rss_off, rss_on = [], [], []
+        for i in range(RUNS):
+            rss_off.append(run_job(base / f"{flavor}-off{i}", flavor, tiers=False)[1])
+            ons.append(base / f"{flavor}-tiers{i}")
+            rss_on.append(run_job(ons[-1], flavor, tiers=True)[1])
+        rss_off, rss_on = min(rss_off), min(rss_on)
+        commits = [e for w in ons for e in ckpt_events(w, "local_commit")]
+        drains = [e for w in ons for e in ckpt_events(w, "pfs_commit")]
         rank_bytes = statistics.median(e["bytes"] for e in commits)
-        steps = classify_steps(work_on, MODELS[flavor][2])
-        und = statistics.median(steps["undisturbed"])
+        per_run = [classify_steps(w, MODELS[flavor][2]) for w in ons]
+        unds = [statistics.median(r["undisturbed"]) for r in per_run]
+        und = statistics.median(unds)
         floor = floor_s(int(rank_bytes)) / und
-        infl = {k: statistics.median(steps[k]) / und - 1
-                for k in ("local", "drain", "first_local", "first_drain") if steps[k]}
-        limits = pooled_limits([machine_limits(int(rank_bytes), work_on / "dump" / "checkpoint" / "bw")])
-        drain_s = statistics.median(e["background_write_s"] for e in ckpt_events(work_on, "pfs_commit"))
+        infl = {}
+        for k in ("local", "drain", "first_local", "first_drain"):
+            shares = [t / u - 1 for r, u in zip(per_run, unds) for t in r[k]]
+            if shares:
+                infl[k] = statistics.median(shares)
+        limits = pooled_limits([machine_limits(int(rank_bytes), w / "dump" / "checkpoint" / "bw") for w in ons])
+        drain_s = statistics.median(e["background_write_s"] for e in drains)
         # rank 0's background CPU per save and per drain (thread CPU time), against the floor's
         save_cpu = statistics.median(e["cpu_s"] + e["staging_cpu_s"] for e in commits)
-        drain_cpu = statistics.median(e["cpu_s"] for e in ckpt_events(work_on, "pfs_commit"))
+        drain_cpu = statistics.median(e["cpu_s"] for e in drains)
         bound_s = 2 * rank_bytes / limits["write_Bps"]
         phase_lines.append(f"{flavor}, rank 0, CPU ms by phase (wall ms): "
-                           f"a save's write: {phases(commits[1:])}; a drain: {phases(ckpt_events(work_on, 'pfs_commit')[1:])}")
+                           f"a save's write: {phases(later(ons, 'local_commit'))}; "
+                           f"a drain: {phases(later(ons, 'pfs_commit'))}")
         extra = rss_on - rss_off
         rows.append(f"| {flavor} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
                     f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
@@ -281,7 +300,8 @@ def main() -> None:
                                 f"background_nice {nice})", f"{slow:+.1%}", "<= 5%", slow <= 0.05))
     body = "\n".join([
         "Command: `.venv/bin/python scripts/bench_overhead.py --update BENCHMARKS.md` "
-        f"({time.strftime('%Y-%m-%d')}, 2 CPU ranks, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}).",
+        f"({time.strftime('%Y-%m-%d')}, 2 CPU ranks, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}; "
+        f"{RUNS} jobs with the tiers on and {RUNS} with checkpointing off per model, interleaved).",
         "",
         "| model | state per rank | undisturbed step | floor (copy + CRC, share of a step) | "
         "inflation, local save | inflation, PFS drain | the layout's first save / first drain (once a job) | "
