@@ -187,8 +187,9 @@ class TieredCheckpointer:
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
         inline = last_step or not self.s.overlap_copy
         try:
+            c0 = time.monotonic()  # after the wait for the buffer: capture alone
             captured = self.capture()
-            job.capture_s = time.monotonic() - t0
+            job.capture_s = time.monotonic() - c0
             job.layout, tensors, job.specs = staging.plan_layout(captured)
             self.buffer.ensure(job.layout.total_bytes)
         except Exception as e:  # a state we cannot stage is a failed save, not a crash

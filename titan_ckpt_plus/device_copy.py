@@ -33,7 +33,11 @@ class Copy:
 
     def run(self, groups: list, progress=None) -> None:
         """`groups`: (buffer views, source tensors, bytes staged once they are copied),
-        in buffer order, one foreach copy each; progress is reported per group."""
+        in buffer order, one foreach copy each; progress is reported per group (and
+        the group checksummed while it is in the cache: staging.StagingProgress). On
+        CPU that checksum comes before `issued`, so a step whose forward and backward
+        are shorter than the copy and its CRC waits for both (measured: the delta
+        stayed 2-5 ms on debugmodel and 100M); on a GPU it comes after."""
         try:
             for dst, src, upto in groups:
                 if dst:

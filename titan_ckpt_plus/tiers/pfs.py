@@ -197,7 +197,10 @@ class KeptPlan:
     mappings: dict  # item name -> object path in the state
     small: SmallItems
     metadata: Any = None  # rank 0
-    small_items: dict = field(default_factory=dict)  # rank 0: file -> (start, [index], [length])
+    small_items: dict = field(init=False)  # rank 0: file -> (start, [index], [length])
+
+    def __post_init__(self) -> None:
+        self.small_items = self.small_items_of(self.metadata) if self.metadata is not None else {}
 
     @staticmethod
     def small_items_of(metadata) -> dict:
@@ -360,7 +363,6 @@ class PfsTier:
             dist.all_gather_object(gathered, writer.written, group=pg)
             self._kept = KeptPlan(key, writer.plan, writer.mappings, small, writer.metadata)
             if self.rank == 0:
-                self._kept.small_items = KeptPlan.small_items_of(writer.metadata)
                 self._seal(step, path, {k: v for part in gathered for k, v in part.items()}, writer.metadata)
             clock.mark("dcp_save")
         return sum(v["size"] for v in writer.written.values())
