@@ -13,6 +13,7 @@ background work" is the step right after a save; "without" is every other step.
 import argparse
 import os
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -200,7 +201,10 @@ def main() -> None:
     ap.add_argument("--update", type=Path, help="write the table into this markdown file")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench_save_", dir=ROOT / "outputs" if (ROOT / "outputs").exists() else None))
-    results = [bench(m, base) for m in args.models.split(",")]
+    try:
+        results = [bench(m, base) for m in args.models.split(",")]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)  # 20 GB of checkpoints per run: it filled this disk
     body = (f"Command: `.venv/bin/python scripts/bench_save.py --update BENCHMARKS.md` "
             f"({os.cpu_count()} cores, CPU, gloo, 2 ranks; medians over the saves of one run for stock, of "
             f"{ROUNDS} runs for the plugin; local and PFS folders on the same disk).\n\n" + table(results))
