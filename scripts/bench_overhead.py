@@ -9,9 +9,11 @@
   - a launch-bound loop (many tiny ops, standing in for a GPU step's Python dispatch)
     slowed by a save + drain running in the same process.
 
-    .venv/bin/python scripts/bench_overhead.py [--update BENCHMARKS.md] [--models debugmodel,100M]
+    .venv/bin/python scripts/bench_overhead.py [--update BENCHMARKS.md] [--models debugmodel,100M,...]
 
-debugmodel and the 100M flavor, 2 CPU ranks, local every 3 steps, PFS every 6.
+debugmodel and the 100M flavor, 2 CPU ranks, local every 3 steps, PFS every 6; debugmodel
+with the staging copy in save() (staging_copy = "save"); and debugmodel on one rank, which
+leaves one of the 2 cores to the checkpointer's threads.
 """
 
 import argparse
@@ -39,10 +41,17 @@ from harness import ckpt_events, events, torchrun  # noqa: E402
 from titan_ckpt_plus.tiers import files  # noqa: E402
 
 MODELS = {
-    # flavor: (seq_len, local batch, steps)
-    "debugmodel": (128, 2, 62),
-    "100M": (32, 1, 38),
+    # row: (torchtitan flavor, seq_len, local batch, steps, ranks, plugin keys)
+    "debugmodel": ("debugmodel", 128, 2, 62, 2, ()),
+    "100M": ("100M", 32, 1, 38, 2, ()),
+    # the staging copy in save(), on the training thread, side by side with its own thread's
+    "debugmodel-copyinsave": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.staging_copy=save",)),
+    # one rank, so one of the machine's 2 cores is left to the copy and background
+    # threads: what a save costs the steps when training does not keep every core busy
+    "debugmodel-1rank": ("debugmodel", 128, 2, 62, 1, ()),
 }
+LABELS = {"debugmodel-copyinsave": "debugmodel, staging_copy = \"save\" (not the default)",
+          "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)"}
 LOCAL_EVERY, PFS_EVERY = 3, 6
 RUNS = 2  # jobs with the tiers on, and as many with checkpointing off
 SECTION = "## Overhead: what training notices of checkpointing"
@@ -50,14 +59,25 @@ READING = """How to read it. The drain is a copy: the local part is in DCP's per
 drain writes this rank's frames from the staging buffer while it holds the step (else from the
 local file, checked), with O_DIRECT, verbatim when every item is this rank's; a layout's first
 step is planned by DCP and the later ones reuse that plan and its Metadata; only the small
-non-tensor items are serialized, each value once. The CPU column is each background thread's
+non-tensor items are serialized, each value once. The period column sums every step's
+extra time over a PFS period (two local saves, one of them drained), so work moved from one
+step to another shows there: starting a drain one step later (tried) moved +0.05 off the
+drain's step and added +0.09 to the period (4 jobs each way, interleaved), so drains start at
+once. The staging copy in save() (the "save" row) against its own thread, in interleaved A/B
+jobs on 2 ranks: debugmodel +0.08 / +0.13 for a local save's step and +0.35 / +0.44 a period
+(7 jobs each way), 100M +0.15 / +0.12 and +0.40 / +0.26 (3 each), each job's figures
++-0.05 or more apart: no better on cores training keeps busy, and it blocks training for the
+whole copy, so the copy thread stays the default. With a core to spare (1 rank) the copy
+thread cost +0.11 against +0.20 in save() (3 each). The CPU column is each background thread's
 own CPU time on rank 0 (kernel time included); the phase lines split it (median of the later
 saves and drains; rank 1 writes no .metadata). What the steps pay for it was timed apart in
 separate debugmodel runs, each replacing one part of the drain: the data copy alone costs the
 steps nothing measurable; 15 ms of background CPU costs them about 20-30 ms whether it is
 Python holding the GIL or CRC-32C without it, and a 0.2 ms GIL switch interval, nice 19 and
 SCHED_IDLE each changed little. Both ranks keep both cores about 85% busy, and a rank slowed by
-its own background work holds the other at the next collective. So what is left is CPU: the
+its own background work holds the other at the next collective. The 1-rank row is the same
+job with one core left to the copy and background threads. So what is left on 2 ranks is
+CPU: the
 floor itself (copy + CRC), the O_DIRECT write's kernel time, and on rank 0 the pickling of the
 step's .metadata (torchtitan flattens the optimizer's param groups per parameter: about 1,400
 items for debugmodel). The PFS folder is on the same disk as the local one, and the disk's
@@ -69,16 +89,16 @@ priority and 10 below it."""
 
 
 def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
-    seq, batch, steps = MODELS[flavor]
-    common = [f"--model.flavor={flavor}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
+    model, seq, batch, steps, nproc, keys = MODELS[flavor]
+    common = [f"--model.flavor={model}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
               f"--training.steps={steps}", "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
               "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only"]
-    ckpt = ([f"--checkpoint.local_interval={LOCAL_EVERY}", f"--checkpoint.interval={PFS_EVERY}"] if tiers
+    ckpt = ([f"--checkpoint.local_interval={LOCAL_EVERY}", f"--checkpoint.interval={PFS_EVERY}", *keys] if tiers
             else ["--checkpoint.no-enable"])
     launch = harness.LAUNCH
     harness.LAUNCH = [sys.executable, "-c", _PEAK_RSS, *launch]
     try:
-        proc = torchrun(work, *common, *ckpt, timeout=1800, digests=False)
+        proc = torchrun(work, *common, *ckpt, timeout=1800, digests=False, nproc=nproc)
     finally:
         harness.LAUNCH = launch
     assert proc.returncode == 0, proc.stdout[-3000:]
@@ -101,11 +121,13 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
     touched once) and let DCP plan the layout, once per job."""
     t = {r["step"]: r["time"] for r in events(work / "losses.jsonl", "loss")}
     drains = [(e["time"] - e["background_write_s"], e["time"]) for e in ckpt_events(work, "pfs_commit")]
-    out = {"local": [], "drain": [], "undisturbed": [], "first_local": [], "first_drain": []}
+    out = {"local": [], "drain": [], "undisturbed": [], "first_local": [], "first_drain": [], "all": []}
     for s in range(3, steps):  # not the last step: it flushes
         if s not in t or s - 1 not in t:
             continue
         a, b = t[s - 1], t[s]
+        if drains and a >= drains[0][1]:  # every step once the first drain is over
+            out["all"].append(b - a)
         overlaps = [i for i, (lo, hi) in enumerate(drains) if lo < b and a < hi]
         if overlaps:
             out["first_drain" if overlaps == [0] else "drain"].append(b - a)
@@ -114,6 +136,16 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
         elif (s - 2) % LOCAL_EVERY != 0 and s > LOCAL_EVERY + 2:  # two steps clear of a save
             out["undisturbed"].append(b - a)
     return out
+
+
+def copy_threads(works: list[Path]) -> str:
+    """Which thread ran each save's staging copy (rank 0's stage events), with counts:
+    the row's staging_copy took effect (the last step's copy always runs in save())."""
+    counts: dict = {}
+    for w in works:
+        for e in ckpt_events(w, "stage"):
+            counts[e.get("copy_thread", "?")] = counts.get(e.get("copy_thread", "?"), 0) + 1
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
 
 
 def later(works: list[Path], kind: str) -> list[dict]:
@@ -166,9 +198,12 @@ def launch_bound(nbytes: int, folder: Path, nice: int, rounds: int = 5) -> dict:
             x = x + 1
         return time.perf_counter() - t0
 
-    alone = [loop() for _ in range(15)]
-    during = []
+    # alone and during interleaved, round by round: the machine's speed drifts over
+    # seconds (a previous job's writeback, the host), and 15 samples taken first once
+    # made the loop look 30% faster during saves than alone
+    alone, during = [], []
     for step in range(1, rounds + 1):
+        alone += [loop() for _ in range(3)]
         ck.save(step)
         ck.wait_for_staging()
         busy = threading.Thread(target=ck.flush)
@@ -253,38 +288,42 @@ def main() -> None:
         commits = [e for w in ons for e in ckpt_events(w, "local_commit")]
         drains = [e for w in ons for e in ckpt_events(w, "pfs_commit")]
         rank_bytes = statistics.median(e["bytes"] for e in commits)
-        per_run = [classify_steps(w, MODELS[flavor][2]) for w in ons]
+        ranks, name = MODELS[flavor][4], LABELS.get(flavor, flavor)
+        per_run = [classify_steps(w, MODELS[flavor][3]) for w in ons]
         unds = [statistics.median(r["undisturbed"]) for r in per_run]
         und = statistics.median(unds)
         floor = floor_s(int(rank_bytes)) / und
         infl = {}
-        for k in ("local", "drain", "first_local", "first_drain"):
+        for k in ("local", "drain", "first_local", "first_drain", "all"):
             shares = [t / u - 1 for r, u in zip(per_run, unds) for t in r[k]]
-            if shares:
-                infl[k] = statistics.median(shares)
-        limits = pooled_limits([machine_limits(int(rank_bytes), w / "dump" / "checkpoint" / "bw") for w in ons])
+            if shares:  # "all": what a PFS period costs in all, its steps' mean extra x its steps
+                infl[k] = statistics.mean(shares) * PFS_EVERY if k == "all" else statistics.median(shares)
+        limits = pooled_limits([machine_limits(int(rank_bytes), w / "dump" / "checkpoint" / "bw", ranks=ranks)
+                                for w in ons])
         drain_s = statistics.median(e["background_write_s"] for e in drains)
         # rank 0's background CPU per save and per drain (thread CPU time), against the floor's
         save_cpu = statistics.median(e["cpu_s"] + e["staging_cpu_s"] for e in commits)
         drain_cpu = statistics.median(e["cpu_s"] for e in drains)
-        bound_s = 2 * rank_bytes / limits["write_Bps"]
-        phase_lines.append(f"{flavor}, rank 0, CPU ms by phase (wall ms): "
+        bound_s = ranks * rank_bytes / limits["write_Bps"]
+        phase_lines.append(f"{name}, rank 0, CPU ms by phase (wall ms): "
                            f"a save's write: {phases(later(ons, 'local_commit'))}; "
-                           f"a drain: {phases(later(ons, 'pfs_commit'))}")
+                           f"a drain: {phases(later(ons, 'pfs_commit'))}; "
+                           f"the staging copies ran on: {copy_threads(ons)}")
         extra = rss_on - rss_off
-        rows.append(f"| {flavor} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
+        rows.append(f"| {name} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
                     f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
+                    f"{infl.get('all', float('nan')):+.2f} | "
                     f"{infl.get('first_local', float('nan')):+.3f} / {infl.get('first_drain', float('nan')):+.3f} | "
                     f"{drain_s:.2f} s / {bound_s:.2f} s = {drain_s / bound_s:.1f}x | "
                     f"{rss_off / 2**30:.3f} / {rss_on / 2**30:.3f} GiB: {extra / rank_bytes:.2f}x | "
                     f"{floor * und * 1e3:.0f} / {save_cpu * 1e3:.0f} / {drain_cpu * 1e3:.0f} ms |")
         for k in ("local", "drain"):
             if k in infl:
-                targets.append((f"{flavor}: step inflation during a " + ("local save" if k == "local" else "PFS drain"), f"{infl[k]:+.3f} of a step",
+                targets.append((f"{name}: step inflation during a " + ("local save" if k == "local" else "PFS drain"), f"{infl[k]:+.3f} of a step",
                                 f"<= floor {floor:.3f} + 0.03", infl[k] <= floor + 0.03))
-        targets.append((f"{flavor}: drain time / (node bytes / PFS bw)", f"{drain_s / bound_s:.1f}x", "<= 1.5x",
+        targets.append((f"{name}: drain time / (node bytes / PFS bw)", f"{drain_s / bound_s:.1f}x", "<= 1.5x",
                         drain_s / bound_s <= 1.5))
-        targets.append((f"{flavor}: extra peak RSS / state bytes", f"{extra / rank_bytes:.2f}x", "<= 1.1x",
+        targets.append((f"{name}: extra peak RSS / state bytes", f"{extra / rank_bytes:.2f}x", "<= 1.1x",
                         extra / rank_bytes <= 1.1))
         if flavor == "100M":
             fc = drain_paths(int(rank_bytes), base / "paths")
@@ -300,14 +339,16 @@ def main() -> None:
                                 f"background_nice {nice})", f"{slow:+.1%}", "<= 5%", slow <= 0.05))
     body = "\n".join([
         "Command: `.venv/bin/python scripts/bench_overhead.py --update BENCHMARKS.md` "
-        f"({time.strftime('%Y-%m-%d')}, 2 CPU ranks, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}; "
+        f"({time.strftime('%Y-%m-%d')}, 2 CPU ranks but where the row says 1, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}; "
         f"{RUNS} jobs with the tiers on and {RUNS} with checkpointing off per model, interleaved).",
         "",
         "| model | state per rank | undisturbed step | floor (copy + CRC, share of a step) | "
-        "inflation, local save | inflation, PFS drain | the layout's first save / first drain (once a job) | "
+        "inflation, local save | inflation, PFS drain | "
+        f"a PFS period's extra time in all (its {PFS_EVERY} steps, in steps) | "
+        "the layout's first save / first drain (once a job) | "
         "drain / bound | peak RSS off / on: extra per state byte | "
         "CPU: floor / a save's copy + write / a drain (rank 0) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
         "| target | measured | wanted | met? |", "|---|---|---|---|",
         *[f"| {w} | {m} | {t} | {'met' if ok else '**NOT met**'} |" for w, m, t, ok in targets],

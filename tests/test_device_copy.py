@@ -11,6 +11,7 @@ whether a group was reported staged before its copy ran.
 import os
 import queue
 import threading
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -290,10 +291,10 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def _engine(tmp_path, state, device):
+def _engine(tmp_path, state, device, **settings):
     s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
                      local_interval=2, pfs_interval=1000, local_keep=2, pfs_keep=2, rank=0,
-                     world_size=1, first_on_node=True, job_id="J")
+                     world_size=1, first_on_node=True, job_id="J", **settings)
     return TieredCheckpointer(s, lambda: state, EventLog(None), device=device)
 
 
@@ -471,3 +472,42 @@ def test_the_copy_thread_checksums_what_it_staged_and_the_writer_does_not(one_ra
         assert {"size": size, files.SUM: crc} == {"size": expect["size"], files.SUM: expect[files.SUM]}
         assert all(torch.equal(v, state[k]) for k, v in _committed(ckpt, step).items())
     ckpt.close()
+
+
+def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(one_rank, tmp_path):
+    """staging_copy = "save" (copy_on_training_thread): the copy runs inside save() on
+    the training thread. While a drain still reads the buffer (its loan not
+    returned), taking the buffer back could wait on the PFS, so that save's copy goes
+    to the copy thread and save() returns at once; once the loan is returned, save()
+    copies itself again. Each save's bytes are that step's."""
+    from titan_ckpt_plus.drain import StagedBytes
+
+    state = _state()
+    ckpt = _engine(tmp_path, state, device_copy.Device(), copy_on_training_thread=True)
+    ckpt.save(2)
+    assert ckpt._pending_job.copy_thread == "MainThread" and not ckpt._pending  # done in save()
+    for t in state.values():
+        t.add_(1)
+    loan = StagedBytes(bytearray(8), reclaimable=True)
+    ckpt._loans.append(loan)
+    loan.lock.acquire()  # the drain, mid-piece
+    timer = threading.Timer(1.0, loan.lock.release)
+    timer.start()
+    t0 = time.monotonic()
+    ckpt.save(4)
+    assert time.monotonic() - t0 < 0.9, "save() waited for the drain's piece"
+    ckpt.wait_for_staging()
+    assert ckpt._pending_job.copy_thread == "ckpt-staging-copy" and loan.taken_back
+    timer.join()
+    want4 = {k: v.clone() for k, v in state.items()}
+    for t in state.values():
+        t.add_(1)
+    returned = StagedBytes(bytearray(8), reclaimable=True)
+    returned.returned = True
+    ckpt._loans.append(returned)
+    ckpt.save(6)
+    assert ckpt._pending_job.copy_thread == "MainThread" and returned.taken_back
+    ckpt.close()
+    assert all(torch.equal(_committed(ckpt, 4)[k], v) for k, v in want4.items())
+    assert all(torch.equal(_committed(ckpt, 6)[k], v) for k, v in state.items())
+

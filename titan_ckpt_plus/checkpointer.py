@@ -59,6 +59,9 @@ class TierSettings:
     # False when the parameters change during backward (optimizer.early_step_in_backward):
     # the copy then completes inside save(), so the staged state is the step boundary's.
     overlap_copy: bool = True
+    # [checkpoint] staging_copy = "save": the copy runs in save(), except while a drain
+    # still reads the buffer (taking it back may wait on the PFS).
+    copy_on_training_thread: bool = False
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
 
@@ -90,6 +93,7 @@ class _Job:
     staging_s: float = 0.0
     staging_cpu_s: float = 0.0  # the copy thread's CPU time (inline copies: the training thread's too)
     capture_s: float = 0.0  # the training thread's: torchtitan's state_dict() calls
+    copy_thread: str = ""  # the thread that ran the staging copy
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
     committed: bool = False
     loan: StagedBytes | None = None  # the staged bytes, lent to the drain (drain.py)
@@ -185,7 +189,8 @@ class TieredCheckpointer:
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
-        inline = last_step or not self.s.overlap_copy
+        inline = (last_step or not self.s.overlap_copy
+                  or (self.s.copy_on_training_thread and not any(not lo.returned for lo in self._loans)))
         try:
             c0 = time.monotonic()  # after the wait for the buffer: capture alone
             captured = self.capture()
@@ -204,7 +209,7 @@ class TieredCheckpointer:
         else:
             # After capture: the copy waits for every kernel queued so far, the update too.
             self._pending_copy = copy = self.device.save_point()
-            if inline:  # the last step (flushed below: nothing to overlap) or no overlap
+            if inline:  # the last step (flushed below), no overlap, or staging_copy = "save"
                 self._copy(job, tensors, copy)
             else:
                 self._copy_q.put((job, tensors, copy))
@@ -222,8 +227,10 @@ class TieredCheckpointer:
         from the local file. Called by the copy thread, not in save(): a drain lets go
         only once the piece it is writing to the PFS is written, and the training
         thread must not wait on the PFS (it waits for the copy only before
-        optimizer.step()). An inline copy (the last step, which flushes anyway;
-        early_step_in_backward) may wait here for that one piece."""
+        optimizer.step()). An inline copy may wait here for that one piece only on the
+        last step (which flushes anyway) and with early_step_in_backward: with
+        staging_copy = "save" the copy goes back to the copy thread while a drain still
+        reads the buffer."""
         while self._loans:
             self._loans.pop().take_back()
 
@@ -233,6 +240,7 @@ class TieredCheckpointer:
 
     def _copy(self, job: _Job, tensors, copy: device_copy.Copy) -> None:
         cpu0 = time.thread_time()
+        job.copy_thread = threading.current_thread().name
         faults.maybe_kill("kill_during_staging", job.step)
         faults.maybe_delay("slow_staging", job.step)
         try:
@@ -265,7 +273,8 @@ class TieredCheckpointer:
         self._pending_delta = 0.0
         job = self._pending_job
         self.events.record("stage", step=job.step, tier="local", delta_s=delta,
-                           wait_prev_s=self._pending_wait, capture_s=job.capture_s, wait_copy_s=waited)
+                           wait_prev_s=self._pending_wait, capture_s=job.capture_s, wait_copy_s=waited,
+                           copy_thread=job.copy_thread)
         if self.policy is not None:
             self._review_intervals(job.step, delta)
 
@@ -580,8 +589,10 @@ class TieredCheckpointer:
     def _drained(self, job: _Job) -> None:
         """A step's drain is over (or none comes): free the staging buffer it held, and
         drop an uncommitted step's local files."""
-        if job.loan is not None and not job.loan.reclaimable:
-            self._buffer_free.set()
+        if job.loan is not None:
+            job.loan.returned = True  # the next save may copy in save() again
+            if not job.loan.reclaimable:
+                self._buffer_free.set()
         job.loan = None
         if not job.committed:
             self._discard(job.step)

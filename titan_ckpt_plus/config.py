@@ -89,6 +89,13 @@ class Checkpoint:
     CPU-only machine, where training keeps every core busy and a lowered writer would
     commit each step several steps late."""
 
+    staging_copy: str = "thread"
+    """Where a save's copy of the state into the staging buffer runs: "thread" (the copy
+    thread, on the copy stream with a GPU: it overlaps forward and backward) or "save"
+    (inside save(), on the training thread, which then waits for it). On a CPU machine
+    whose cores training keeps busy the two cost the steps about the same (measured
+    side by side in BENCHMARKS.md, the overhead section); "save" blocks training longer."""
+
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
     the same on every rank: resumable at any DP degree) or "per_rank" (torchtitan's
@@ -142,6 +149,9 @@ def _validate_adaptive(ckpt) -> None:
     if ckpt.interval_formula not in ("young", "daly"):
         raise ConfigError(f"[checkpoint] interval_formula = {ckpt.interval_formula!r} is unknown. "
                           'Fix: "young" or "daly".')
+
+
+STAGING_COPY = ("thread", "save")
 
 
 def background_nice(ckpt, accelerator: bool) -> int:
@@ -216,6 +226,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] background_nice = {ckpt.background_nice} is invalid. Fix: 0 (background "
             "threads at training's priority) to 19 (lowest), or -1 (auto, the default).")
+    if getattr(ckpt, "staging_copy", "thread") not in STAGING_COPY:
+        raise ConfigError(
+            f"[checkpoint] staging_copy = {ckpt.staging_copy!r} is unknown. Fix: \"thread\" (the "
+            'default: the copy overlaps forward and backward) or "save" (the copy runs in save()).')
     _validate_adaptive(ckpt)
     local = resolve_local_folder(ckpt.local_folder)
     pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))

@@ -39,6 +39,7 @@ class StagedBytes:
         self.reclaimable = reclaimable
         self.lock = threading.Lock()
         self.taken_back = False
+        self.returned = False  # the drain is done with them (set by the checkpointer)
 
     def take_back(self) -> None:
         """From the next piece on, the drain reads the file; returns once the piece

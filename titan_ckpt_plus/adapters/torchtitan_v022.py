@@ -82,6 +82,7 @@ class TieredCheckpointManager(_StockManager):
             pin=torch.cuda.is_available(),
             replication_backend=checkpoint_config.replication_backend,
             overlap_copy=not in_backward,
+            copy_on_training_thread=checkpoint_config.staging_copy == "save",
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
         )
@@ -256,8 +257,10 @@ class TieredCheckpointManager(_StockManager):
         """The same state stock torchtitan hands to dcp.save, with every Stateful
         resolved to its state_dict(), so DCP sees identical keys after the drain."""
         cached = self._optimizer_state
+        # A tensor is tested first: isinstance against the Stateful protocol inspects the
+        # object's attributes, a cost paid per parameter on the training thread.
         return {k: cached.state_dict() if cached is not None and k == tt_checkpoint.OPTIMIZER
-                else v.state_dict() if isinstance(v, Stateful) else v
+                else v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
                 for k, v in self._flattened_model_states_sd().items()}
 
     def _capture(self) -> dict:
