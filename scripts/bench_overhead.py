@@ -63,12 +63,13 @@ non-tensor items are serialized, each value once. The period column sums every s
 extra time over a PFS period (two local saves, one of them drained), so work moved from one
 step to another shows there: starting a drain one step later (tried) moved +0.05 off the
 drain's step and added +0.09 to the period (4 jobs each way, interleaved), so drains start at
-once. The staging copy in save() (the "save" row) against its own thread, in interleaved A/B
-jobs on 2 ranks: debugmodel +0.08 / +0.13 for a local save's step and +0.35 / +0.44 a period
-(7 jobs each way), 100M +0.15 / +0.12 and +0.40 / +0.26 (3 each), each job's figures
-+-0.05 or more apart: no better on cores training keeps busy, and it blocks training for the
-whole copy, so the copy thread stays the default. With a core to spare (1 rank) the copy
-thread cost +0.11 against +0.20 in save() (3 each). The CPU column is each background thread's
+once. The staging copy in save() (the "save" row) against its own thread, on 2 ranks:
+debugmodel's period cost less in save() each time it was compared (+0.35 / +0.44 in 7
+interleaved A/B jobs each way, and in this table's rows), 100M's more (+0.40 / +0.26, 3
+jobs each way), each job's figures +-0.05 or more apart; in save() the copy also blocks
+training for all of its length (100M: about 70 ms), so the copy thread stays the default.
+With a core to spare (1 rank) the copy thread cost +0.11 against +0.20 in save() (3 each).
+The CPU column is each background thread's
 own CPU time on rank 0 (kernel time included); the phase lines split it (median of the later
 saves and drains; rank 1 writes no .metadata). What the steps pay for it was timed apart in
 separate debugmodel runs, each replacing one part of the drain: the data copy alone costs the

@@ -93,8 +93,9 @@ class Checkpoint:
     """Where a save's copy of the state into the staging buffer runs: "thread" (the copy
     thread, on the copy stream with a GPU: it overlaps forward and backward) or "save"
     (inside save(), on the training thread, which then waits for it). On a CPU machine
-    whose cores training keeps busy the two cost the steps about the same (measured
-    side by side in BENCHMARKS.md, the overhead section); "save" blocks training longer."""
+    whose cores training keeps busy, which costs the steps less depends on the model
+    (BENCHMARKS.md, the overhead section: debugmodel's saves less in save(), 100M's
+    less on the thread); "save" blocks training for the whole copy."""
 
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
