@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -142,10 +143,7 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
 def copy_threads(works: list[Path]) -> str:
     """Which thread ran each save's staging copy (rank 0's stage events), with counts:
     the row's staging_copy took effect (the last step's copy always runs in save())."""
-    counts: dict = {}
-    for w in works:
-        for e in ckpt_events(w, "stage"):
-            counts[e.get("copy_thread", "?")] = counts.get(e.get("copy_thread", "?"), 0) + 1
+    counts = Counter(e.get("copy_thread", "?") for w in works for e in ckpt_events(w, "stage"))
     return ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
 
 

@@ -475,22 +475,22 @@ def test_the_copy_thread_checksums_what_it_staged_and_the_writer_does_not(one_ra
 
 
 def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(one_rank, tmp_path):
-    """staging_copy = "save" (copy_on_training_thread): the copy runs inside save() on
-    the training thread. While a drain still reads the buffer (its loan not
-    returned), taking the buffer back could wait on the PFS, so that save's copy goes
-    to the copy thread and save() returns at once; once the loan is returned, save()
+    """staging_copy = "save" (prefer_copy_in_save): the copy runs inside save() on the
+    training thread. While a drain still reads the buffer (its loan not returned),
+    taking the buffer back could wait on the PFS, so that save's copy goes to the copy
+    thread and save() returns at once; once a real drain has returned its loan, save()
     copies itself again. Each save's bytes are that step's."""
     from titan_ckpt_plus.drain import StagedBytes
 
     state = _state()
-    ckpt = _engine(tmp_path, state, device_copy.Device(), copy_on_training_thread=True)
+    ckpt = _engine(tmp_path, state, device_copy.Device(), prefer_copy_in_save=True)
     ckpt.save(2)
     assert ckpt._pending_job.copy_thread == "MainThread" and not ckpt._pending  # done in save()
     for t in state.values():
         t.add_(1)
     loan = StagedBytes(bytearray(8), reclaimable=True)
     ckpt._loans.append(loan)
-    loan.lock.acquire()  # the drain, mid-piece
+    loan.lock.acquire()  # a drain, mid-piece
     timer = threading.Timer(1.0, loan.lock.release)
     timer.start()
     t0 = time.monotonic()
@@ -499,15 +499,22 @@ def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(
     ckpt.wait_for_staging()
     assert ckpt._pending_job.copy_thread == "ckpt-staging-copy" and loan.taken_back
     timer.join()
-    want4 = {k: v.clone() for k, v in state.items()}
+    ckpt._write_q.join()
+    assert all(torch.equal(_committed(ckpt, 4)[k], v) for k, v in state.items())
+    # step 6 goes to the PFS: its drain copies from the buffer, then returns the loan
+    ckpt.schedule.pfs_interval = 6
     for t in state.values():
         t.add_(1)
-    returned = StagedBytes(bytearray(8), reclaimable=True)
-    returned.returned = True
-    ckpt._loans.append(returned)
     ckpt.save(6)
-    assert ckpt._pending_job.copy_thread == "MainThread" and returned.taken_back
+    want6 = {k: v.clone() for k, v in state.items()}
+    ckpt._write_q.join()
+    ckpt.drain.join()
+    (lent,) = ckpt._loans
+    assert lent.returned and ckpt.pfs.steps() == [6]
+    for t in state.values():
+        t.add_(1)
+    ckpt.save(8)
+    assert ckpt._pending_job.copy_thread == "MainThread" and lent.taken_back and ckpt._loans == []
     ckpt.close()
-    assert all(torch.equal(_committed(ckpt, 4)[k], v) for k, v in want4.items())
-    assert all(torch.equal(_committed(ckpt, 6)[k], v) for k, v in state.items())
-
+    assert all(torch.equal(_committed(ckpt, 6)[k], v) for k, v in want6.items())
+    assert all(torch.equal(_committed(ckpt, 8)[k], v) for k, v in state.items())

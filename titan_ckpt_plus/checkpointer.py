@@ -60,8 +60,9 @@ class TierSettings:
     # the copy then completes inside save(), so the staged state is the step boundary's.
     overlap_copy: bool = True
     # [checkpoint] staging_copy = "save": the copy runs in save(), except while a drain
-    # still reads the buffer (taking it back may wait on the PFS).
-    copy_on_training_thread: bool = False
+    # still reads the buffer (taking it back may wait on the PFS); overlap_copy = False
+    # is a must, this a preference.
+    prefer_copy_in_save: bool = False
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
 
@@ -190,7 +191,7 @@ class TieredCheckpointer:
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
         inline = (last_step or not self.s.overlap_copy
-                  or (self.s.copy_on_training_thread and not any(not lo.returned for lo in self._loans)))
+                  or (self.s.prefer_copy_in_save and not self._buffer_lent()))
         try:
             c0 = time.monotonic()  # after the wait for the buffer: capture alone
             captured = self.capture()
@@ -221,6 +222,10 @@ class TieredCheckpointer:
             self.wait_for_staging()
         if last_step:
             self.flush()
+
+    def _buffer_lent(self) -> bool:
+        """Whether a drain still reads the staging buffer (a loan it has not returned)."""
+        return not all(loan.returned for loan in self._loans)
 
     def _take_back_loans(self) -> None:
         """Before the buffer is written again: a drain still copying from it goes on

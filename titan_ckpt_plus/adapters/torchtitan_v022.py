@@ -82,7 +82,7 @@ class TieredCheckpointManager(_StockManager):
             pin=torch.cuda.is_available(),
             replication_backend=checkpoint_config.replication_backend,
             overlap_copy=not in_backward,
-            copy_on_training_thread=checkpoint_config.staging_copy == "save",
+            prefer_copy_in_save=checkpoint_config.staging_copy == "save",
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
         )
