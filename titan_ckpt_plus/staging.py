@@ -21,10 +21,12 @@ import functools
 import hashlib
 import io
 import json
+import math
+import mmap
 import pickle
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -36,8 +38,10 @@ ALIGN = 64
 _PLAIN = (int, float, str, bytes, bool, type(None))
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
+    """One tensor's place in the buffer (a tuple: a save makes one per tensor, on the
+    training thread)."""
+
     path: str
     dtype: str
     shape: tuple[int, ...]
@@ -171,6 +175,17 @@ def _split(raw: bytes, nbytes: int) -> tuple[bytes, bytes]:
     return raw[:start], raw[start + nbytes:]
 
 
+@functools.lru_cache(maxsize=4096)
+def _placement(dtype: torch.dtype, shape: torch.Size) -> tuple:
+    """(dtype name, shape, bytes, frame before, frame after, room taken) of a tensor:
+    the same for every tensor of a dtype and shape, so made once. torch.save aligns
+    the bytes to 64 within its archive: each archive starts aligned, so they are too."""
+    name, dims = str(dtype).removeprefix("torch."), tuple(shape)
+    nbytes = math.prod(dims) * dtype.itemsize
+    pre, post = frame(name, dims)
+    return name, dims, nbytes, len(pre), len(post), -(-(len(pre) + nbytes + len(post)) // ALIGN) * ALIGN
+
+
 def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
     """Walk `state`; return its layout, its tensors' local shards in entry order, and
     the DTensor specs by entry index (kept in memory to rebuild DTensors for DCP)."""
@@ -183,16 +198,12 @@ def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
         nonlocal offset
         if isinstance(obj, torch.Tensor):
             local = _local(obj).detach()
-            nbytes = local.numel() * local.element_size()
-            dtype, shape = str(local.dtype).removeprefix("torch."), tuple(local.shape)
-            pre, post = frame(dtype, shape)
-            # torch.save aligns the bytes to 64 within its archive: the archive starts
-            # aligned, so the bytes are too
-            entries.append(TensorEntry(path, dtype, shape, offset + len(pre), nbytes, len(pre), len(post)))
+            dtype, shape, nbytes, pre, post, size = _placement(local.dtype, local.shape)
+            entries.append(TensorEntry(path, dtype, shape, offset + pre, nbytes, pre, post))
             tensors.append(local)
             if isinstance(obj, DTensor):
                 specs[len(entries) - 1] = obj._spec
-            offset += -(-(len(pre) + nbytes + len(post)) // ALIGN) * ALIGN
+            offset += size
             return {"__tensor__": len(entries) - 1}
         if isinstance(obj, dict):
             return {k: walk(v, f"{path}/{k}") for k, v in obj.items()}
@@ -254,11 +265,34 @@ class StagingProgress:
                 raise RuntimeError("staging failed before these bytes were copied")
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """`nbytes` of fresh anonymous memory on a 2 MiB boundary, and whether Linux took
+    the advice to back it with transparent huge pages. An O_DIRECT write pins every
+    page of its buffer in the kernel: 2 MiB pages cost a third of the CPU time 4 KiB
+    pages do (36 MiB: 0.6 ms against 2.0 here), time the training ranks' cores pay.
+    Its own private mapping: memory the allocator reuses has its small pages already
+    (the advice only shapes pages not yet touched), and shared anonymous memory is
+    shmem, whose huge pages are off by default."""
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds `mm` alive
+    skip = -raw.data_ptr() % HUGE_PAGE
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+        huge = True
+    except (AttributeError, OSError):  # not Linux, or a kernel without THP
+        huge = False
+    return raw[skip : skip + nbytes], huge
+
+
 class HostBuffer:
     """A reusable host buffer; grows when the state grows, pinned when a GPU is used."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
+        self.huge = False
         self.data = torch.empty(0, dtype=torch.uint8)
         self._views_key: tuple | None = None
         self._views_cache: list[torch.Tensor] = []
@@ -266,9 +300,12 @@ class HostBuffer:
     def ensure(self, nbytes: int) -> torch.Tensor:
         if self.data.numel() < nbytes:
             # Page-aligned, so the local write can bypass the page cache (O_DIRECT).
-            raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=self.pin)
-            skip = -raw.data_ptr() % PAGE
-            self.data = raw[skip : skip + nbytes]
+            if self.pin:  # pinned by CUDA's allocator, which maps it itself
+                raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=True)
+                skip = -raw.data_ptr() % PAGE
+                self.data = raw[skip : skip + nbytes]
+            else:
+                self.data, self.huge = huge_page_buffer(nbytes)
         return self.data
 
     def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],

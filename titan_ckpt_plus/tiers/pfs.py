@@ -51,6 +51,7 @@ from torch.futures import Future
 from titan_ckpt_plus import staging
 from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
+from titan_ckpt_plus.tiers.metadata_pickle import MetadataPickle
 
 MANIFEST = "titan_ckpt_plus.json"
 FULL_STATE = "full_state"
@@ -198,6 +199,7 @@ class KeptPlan:
     small: SmallItems
     metadata: Any = None  # rank 0
     small_items: dict = field(init=False)  # rank 0: file -> (start, [index], [length])
+    pickler: MetadataPickle = field(init=False, default_factory=MetadataPickle)  # rank 0
 
     def __post_init__(self) -> None:
         self.small_items = self.small_items_of(self.metadata) if self.metadata is not None else {}
@@ -226,6 +228,7 @@ class KeptPlan:
         for index, n in zip(indexes, lengths):
             self.metadata.storage_data[index] = _StorageInfo(name, at, n)
             at += n
+        self.pickler.changed("storage_data")
         self.small_items[name] = (start, indexes, lengths)
 
 
@@ -363,7 +366,8 @@ class PfsTier:
             dist.all_gather_object(gathered, writer.written, group=pg)
             self._kept = KeptPlan(key, writer.plan, writer.mappings, small, writer.metadata)
             if self.rank == 0:
-                self._seal(step, path, {k: v for part in gathered for k, v in part.items()}, writer.metadata)
+                self._seal(step, path, {k: v for part in gathered for k, v in part.items()},
+                           pickle.dumps(writer.metadata))
             clock.mark("dcp_save")
         return sum(v["size"] for v in writer.written.values())
 
@@ -387,13 +391,14 @@ class PfsTier:
                 for name in written:
                     kept.update(name, lengths)
             kept.metadata.storage_meta = writer.storage_meta()
-            self._seal(step, writer.path, {k: v for _, w, _ in gathered for k, v in w.items()}, kept.metadata)
+            self._seal(step, writer.path, {k: v for _, w, _ in gathered for k, v in w.items()},
+                       kept.pickler.dumps(kept.metadata))
             clock.mark("metadata")
 
-    def _seal(self, step: int, path, data_files: dict, metadata) -> None:
-        """Rank 0: the manifest, then the .metadata that makes the step complete (DCP's
-        own rule), both fsync'd before either is renamed into place."""
-        data = pickle.dumps(metadata)
+    def _seal(self, step: int, path, data_files: dict, data: bytes) -> None:
+        """Rank 0: the manifest, then the .metadata (`data`, the pickled Metadata) that
+        makes the step complete (DCP's own rule), both fsync'd before either is renamed
+        into place."""
         manifest = {"step": step, "job_id": self.job_id, "kind": "full",
                     "files": {**data_files, ".metadata": files.entry(data)}}
         with files.DurableBatch() as batch:
