@@ -65,6 +65,7 @@ class TierSettings:
     prefer_copy_in_save: bool = False
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
+    background_idle: bool = False  # the copy, the writer and the drain in SCHED_IDLE
 
     @property
     def layout_tag(self) -> dict:
@@ -162,15 +163,18 @@ class TieredCheckpointer:
                              device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
         self._write_q: queue.Queue = queue.Queue()
         self._writer = self._background(self._writer_loop, "ckpt-local-writer")
-        # One copy thread for the job, at training's priority (training waits for its
-        # copy before optimizer.step()); a thread started per save made save() wait
+        # One copy thread for the job, at training's nice value (training waits for its
+        # copy before optimizer.step()), in SCHED_IDLE where the others are: training
+        # blocked on it leaves it a core. A thread started per save made save() wait
         # for it to start, and to hand the GIL back.
         self._copy_q: queue.Queue = queue.Queue()
-        self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy")
+        self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy",
+                                                idle=self.s.background_idle)
 
     def _background(self, target, name: str):
         """A thread on the rank's device, below training's CPU and I/O priority."""
-        return self.device.start_thread(target, name, nice=self.s.background_nice)
+        return self.device.start_thread(target, name, nice=self.s.background_nice,
+                                        idle=self.s.background_idle)
 
     # ---- training-thread side -------------------------------------------------
 

@@ -99,16 +99,16 @@ class Device:
         """On the training thread, once the saved step's update is queued."""
         return Copy()
 
-    def start_thread(self, target, name: str, *args, nice: int = 0) -> threading.Thread:
+    def start_thread(self, target, name: str, *args, nice: int = 0, idle: bool = False) -> threading.Thread:
         """Every background thread of the checkpointer starts here; `nice` > 0 puts it
-        below training's CPU and I/O priority (priority.py)."""
-        t = threading.Thread(target=self._run, args=(target, nice, *args), name=name, daemon=True)
+        below training's CPU and I/O priority, `idle` in SCHED_IDLE (priority.py)."""
+        t = threading.Thread(target=self._run, args=(target, nice, idle, *args), name=name, daemon=True)
         t.start()
         return t
 
-    def _run(self, target, nice: int, *args) -> None:
+    def _run(self, target, nice: int, idle: bool, *args) -> None:
         priority.name_this_thread(threading.current_thread().name)
-        priority.lower_this_thread(nice)
+        priority.lower_this_thread(nice, idle)
         self._on_device(target, *args)
 
     def _on_device(self, target, *args) -> None:

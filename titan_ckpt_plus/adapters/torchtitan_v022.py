@@ -23,7 +23,7 @@ from torchtitan.components import checkpoint as tt_checkpoint
 from torchtitan.components.optimizer import OptimizersContainer, OptimizersInBackwardContainer
 from torchtitan.tools.logging import logger
 
-from titan_ckpt_plus import config, cpu_fallback, digest, faults, flavors, identity
+from titan_ckpt_plus import config, cpu_fallback, digest, faults, flavors, identity, priority
 from titan_ckpt_plus.adapters import torchtitan_v022_data
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.optimizer_state import OptimizerStateCache
@@ -85,6 +85,7 @@ class TieredCheckpointManager(_StockManager):
             prefer_copy_in_save=checkpoint_config.staging_copy == "save",
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
+            background_idle=config.background_idle(checkpoint_config, cpu_fallback.accelerator_present()),
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
@@ -471,24 +472,33 @@ def _wants_tiers(args, kwargs) -> bool:
 
 
 LOSS_LOG_ENV = "TITAN_CKPT_LOSS_LOG"
+SCHED_LOG_ENV = "TITAN_CKPT_SCHED_LOG"
 
 
-def _record_losses(path: str | None) -> None:
+def _record_losses(path: str | None, sched_path: str | None = None) -> None:
     """Test hook: append each logged step's exact loss (repr of the float) to `path`,
     so a resumed run can be compared bit for bit with an uninterrupted one. Armed by
     the TITAN_CKPT_LOSS_LOG environment variable, for stock and tiered runs alike.
-    Written by torchtitan's metrics rank (rank 0, or the last pipeline stage's)."""
+    Written by torchtitan's metrics rank (rank 0, or the last pipeline stage's).
+    Benchmark hook: with TITAN_CKPT_SCHED_LOG too, every rank appends its threads'
+    scheduler counters at each logged step to `<that path>.<rank>`."""
     if not path:
         return
     from torchtitan.components import metrics
 
     original = metrics.MetricsProcessor.log
     log = EventLog(path)
+    sched: list = []  # the rank's log, opened at its first step (ranks exist by then)
 
     def logged(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         if dist.get_rank() == metrics._get_metrics_rank(self.parallel_dims, self.job_config):
             log.record("loss", step=step, loss=float(global_avg_loss))
             log.flush()  # a test hook: written before the step ends, even if killed next
+        if sched_path:
+            if not sched:
+                sched.append(EventLog(f"{sched_path}.{dist.get_rank()}"))
+            sched[0].record("sched", step=step, threads=priority.thread_times())
+            sched[0].flush()
         return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
     metrics.MetricsProcessor.log = logged
@@ -506,7 +516,7 @@ def install() -> None:
     _installed = True
     cpu_fallback.apply_if_needed()
     flavors.register()
-    _record_losses(os.environ.get(LOSS_LOG_ENV))
+    _record_losses(os.environ.get(LOSS_LOG_ENV), os.environ.get(SCHED_LOG_ENV))
 
     def __new__(cls, *args, **kwargs):
         if cls is _StockManager and _wants_tiers(args, kwargs):
