@@ -85,13 +85,14 @@ the cores. Measured apart (debugmodel, jobs interleaved) with the checkpointer's
 0, this machine's default until this run: a drain step's +46 ms went to +8 ms more of the
 training thread's own CPU, +14 ms waiting for a core and +24 ms asleep, while the gloo threads
 waited +28 ms more for a core; nice 19 helped less, and not in every job (3 jobs). In SCHED_IDLE
-(background_policy "idle", now the CPU default), which gives a core back the moment a training
-or gloo thread wakes, each of 4 jobs beat each of 4 at nice 0 on the local save's step (+0.04
+(background_policy "idle"; the table's rows ran with it), which gives a core back the moment a
+training or gloo thread wakes, each of 4 jobs beat each of 4 at nice 0 on the local save's step (+0.04
 to +0.08 against +0.12 to +0.15) and on a PFS period (+0.12 to +0.28 against +0.35 to +0.52),
 and the drain's step mostly (+0.08 to +0.21 against +0.19 to +0.25); a local commit came 54 ms after its save
 against 41 (at most 115, under a step) and a drain took 0.07 s against 0.06. On 100M, 4 jobs
 each way could not tell the two apart: its undisturbed step moved from 1.2 to 1.7 s within the
-hour. What is left is moving the bytes, which costs the other core's math too (the neighbour
+hour. It is not the default: where training leaves no core idle (pipeline parallel on CPU), a
+local commit came two saves late and a drain did not finish before a kill. What is left is moving the bytes, which costs the other core's math too (the neighbour
 probe above; the floor counts CPU time alone), and about 5 ms of commit, vote, gather and
 retention per save and drain. The PFS folder is on the same disk as
 the local one, and the disk's speed changes from second to second. Peak RSS is a job's largest rank's, to the KiB, the least
@@ -412,7 +413,7 @@ def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
     rows = []
     for (nice, idle), got in slows.items():
         slow = statistics.median(got)
-        how = "SCHED_IDLE (background_policy \"idle\", the CPU default)" if idle else f"background_nice {nice}"
+        how = "SCHED_IDLE (background_policy \"idle\")" if idle else f"background_nice {nice}"
         rows.append((f"launch-bound loop slowed by a concurrent save + drain (100M state, {how})",
                      f"{slow:+.1%} (median of {', '.join(f'{g:+.1%}' for g in got)})", "<= 5%", slow <= 0.05))
     return rows

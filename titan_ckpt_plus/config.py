@@ -86,17 +86,18 @@ class Checkpoint:
     nice value is raised by this much and their I/O goes to the lowest best-effort
     level, per thread (Linux). 0 runs them at training's priority. -1 (auto): 10 with
     an accelerator, where training's threads mostly wait for the device; 0 on a
-    CPU-only machine, where background_policy's SCHED_IDLE does the yielding."""
+    CPU-only machine, where training keeps every core busy and a lowered writer would
+    commit each step several steps late."""
 
-    background_policy: str = "auto"
+    background_policy: str = "normal"
     """How the checkpointer's threads (the staging copy, the writer, the drain) yield
-    the CPU to training's. "idle": Linux's SCHED_IDLE, so they run only on a core
-    that training's threads leave free and give it back the moment one wakes (their
-    I/O at the lowest best-effort level). "normal": the scheduler's normal class at
-    background_nice. "auto": "idle" on a CPU-only machine, where training keeps every
-    core busy and a lower nice value still let the writer delay training's gloo
-    threads (measured: BENCHMARKS.md); "normal" with an accelerator, where the
-    device's copy stream waits on the copy thread and SCHED_IDLE is not yet measured."""
+    the CPU to training's. "normal": the scheduler's normal class, the writer and the
+    drain at background_nice. "idle": Linux's SCHED_IDLE, so they run only on a core
+    that training's threads leave free and give it back the moment one wakes: on 2
+    CPU ranks it more than halved what a local save cost debugmodel's steps
+    (BENCHMARKS.md), but where training leaves no core idle (pipeline parallel on
+    CPU) a local commit came two saves late and a drain did not finish before a
+    kill, so more work is lost to a failure. Not the default for that reason."""
 
     staging_copy: str = "thread"
     """Where a save's copy of the state into the staging buffer runs: "thread" (the copy
@@ -164,13 +165,7 @@ def _validate_adaptive(ckpt) -> None:
 STAGING_COPY = ("thread", "save")
 
 
-BACKGROUND_POLICY = ("auto", "idle", "normal")
-
-
-def background_idle(ckpt, accelerator: bool) -> bool:
-    """Whether the checkpointer's threads run in SCHED_IDLE, `auto` resolved."""
-    policy = getattr(ckpt, "background_policy", "auto")
-    return policy == "idle" or (policy == "auto" and not accelerator)
+BACKGROUND_POLICY = ("normal", "idle")
 
 
 def background_nice(ckpt, accelerator: bool) -> int:
@@ -245,10 +240,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] background_nice = {ckpt.background_nice} is invalid. Fix: 0 (background "
             "threads at training's priority) to 19 (lowest), or -1 (auto, the default).")
-    if getattr(ckpt, "background_policy", "auto") not in BACKGROUND_POLICY:
+    if getattr(ckpt, "background_policy", "normal") not in BACKGROUND_POLICY:
         raise ConfigError(
-            f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"auto\" "
-            "(the default), \"idle\" (SCHED_IDLE) or \"normal\" (nice background_nice).")
+            f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"normal\" "
+            "(the default, nice background_nice) or \"idle\" (SCHED_IDLE).")
     if getattr(ckpt, "staging_copy", "thread") not in STAGING_COPY:
         raise ConfigError(
             f"[checkpoint] staging_copy = {ckpt.staging_copy!r} is unknown. Fix: \"thread\" (the "

@@ -85,7 +85,7 @@ class TieredCheckpointManager(_StockManager):
             prefer_copy_in_save=checkpoint_config.staging_copy == "save",
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
-            background_idle=config.background_idle(checkpoint_config, cpu_fallback.accelerator_present()),
+            background_idle=getattr(checkpoint_config, "background_policy", "normal") == "idle",
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
@@ -112,7 +112,9 @@ class TieredCheckpointManager(_StockManager):
             signal.signal(signal.SIGTERM, self._on_sigterm)
         logger.info(f"[titan_ckpt_plus] tiers on, job {self.job.job_id}: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
-                    f"{settings.pfs_interval} steps")
+                    f"{settings.pfs_interval} steps; its threads "
+                    + ("in SCHED_IDLE" if settings.background_idle else f"at nice +{settings.background_nice}")
+                    + f" (background_policy {getattr(checkpoint_config, 'background_policy', 'normal')!r})")
 
     @staticmethod
     def _placement(ckpt, world: int) -> ReplicaPlacement | None:
