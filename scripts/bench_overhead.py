@@ -92,7 +92,8 @@ and the drain's step mostly (+0.08 to +0.21 against +0.19 to +0.25); a local com
 against 41 (at most 115, under a step) and a drain took 0.07 s against 0.06. On 100M, 4 jobs
 each way could not tell the two apart: its undisturbed step moved from 1.2 to 1.7 s within the
 hour. It is not the default: where training leaves no core idle (pipeline parallel on CPU), a
-local commit came two saves late and a drain did not finish before a kill. What is left is moving the bytes, which costs the other core's math too (the neighbour
+slowed save was still not committed two steps later, when a kill came, and a drain did not
+finish before one. What is left is moving the bytes, which costs the other core's math too (the neighbour
 probe above; the floor counts CPU time alone), and about 5 ms of commit, vote, gather and
 retention per save and drain. The PFS folder is on the same disk as
 the local one, and the disk's speed changes from second to second. Peak RSS is a job's largest rank's, to the KiB, the least

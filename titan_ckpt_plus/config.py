@@ -96,8 +96,9 @@ class Checkpoint:
     that training's threads leave free and give it back the moment one wakes: on 2
     CPU ranks it more than halved what a local save cost debugmodel's steps
     (BENCHMARKS.md), but where training leaves no core idle (pipeline parallel on
-    CPU) a local commit came two saves late and a drain did not finish before a
-    kill, so more work is lost to a failure. Not the default for that reason."""
+    CPU) a slowed save was still not committed two steps later, when a kill came,
+    and a drain did not finish before one: more work is lost to a failure. Not the
+    default for that reason."""
 
     staging_copy: str = "thread"
     """Where a save's copy of the state into the staging buffer runs: "thread" (the copy
