@@ -167,8 +167,21 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
     return out
 
 
-SPLIT = (("main", 0, "training thread on a CPU"), ("main", 1, "waiting for a core"),
-         ("gloo", 1, "gloo threads waiting for a core"), ("ckpt", 0, "checkpointer threads on a CPU"))
+def _group(thread: str) -> str:
+    return "main" if thread == "main" else "ckpt" if thread.startswith("ckpt") else (
+        "gloo" if "gloo" in thread else "other")
+
+
+def _split(a: dict, b: dict) -> dict:
+    """One step's time between two scheduler samples (seconds): wall, each thread
+    group's (on a CPU, waiting for a core), and the training thread asleep."""
+    d = {"wall": b["time"] - a["time"]}
+    for name, (on_cpu, waiting) in b["threads"].items():
+        was = a["threads"].get(name, [0, 0])
+        for i, now in ((0, on_cpu), (1, waiting)):
+            d[(_group(name), i)] = d.get((_group(name), i), 0.0) + (now - was[i]) / 1e9
+    d["asleep"] = d["wall"] - d.get(("main", 0), 0.0) - d.get(("main", 1), 0.0)
+    return d
 
 
 def where_time_goes(works: list[Path], steps: int, ranks: int) -> str:
@@ -176,33 +189,27 @@ def where_time_goes(works: list[Path], steps: int, ranks: int) -> str:
     thread on a CPU, waiting for one, and asleep (a collective, the GIL, the loader);
     the gloo threads' waits for a core, and the checkpointer threads' CPU. From every
     rank's scheduler counters at each step (priority.thread_times)."""
-    sums: dict[str, list[dict]] = {}
+    by_kind: dict[str, list[dict]] = {}
     for w in works:
         kinds = step_classes(w, steps)
         for rank in range(ranks):
             recs = {r["step"]: r for r in events(w / f"sched.{rank}", "sched")}
             for s, kind in kinds.items():
-                if s not in recs or s - 1 not in recs:
-                    continue
-                a, b = recs[s - 1], recs[s]
-                d = {"wall": b["time"] - a["time"]}
-                for name in set(a["threads"]) | set(b["threads"]):
-                    group = "main" if name == "main" else "ckpt" if name.startswith("ckpt") else (
-                        "gloo" if "gloo" in name else "other")
-                    for i in (0, 1):
-                        delta = (b["threads"].get(name, [0, 0])[i] - a["threads"].get(name, [0, 0])[i]) / 1e9
-                        d[(group, i)] = d.get((group, i), 0.0) + delta
-                d["asleep"] = d["wall"] - d.get(("main", 0), 0) - d.get(("main", 1), 0)
-                sums.setdefault(kind, []).append(d)
+                if s in recs and s - 1 in recs:
+                    by_kind.setdefault(kind, []).append(_split(recs[s - 1], recs[s]))
     parts = []
     for kind in ("undisturbed", "local", "drain"):
-        ds = sums.get(kind, [])
-        if ds:
-            def mean(k):
-                return statistics.mean(d.get(k, 0.0) for d in ds) * 1e3
-            parts.append(f"{kind} {mean('wall'):.0f} = " + " + ".join(
-                f"{mean(('main', i)):.0f} {label}" for g, i, label in SPLIT[:2]) +
-                f" + {mean('asleep'):.0f} asleep; " + ", ".join(f"{mean((g, i)):.0f} {label}" for g, i, label in SPLIT[2:]))
+        ds = by_kind.get(kind)
+        if not ds:
+            continue
+
+        def ms(k):
+            return statistics.mean(d.get(k, 0.0) for d in ds) * 1e3
+
+        parts.append(f"{kind} {ms('wall'):.0f} = {ms(('main', 0)):.0f} training thread on a CPU + "
+                     f"{ms(('main', 1)):.0f} waiting for a core + {ms('asleep'):.0f} asleep; "
+                     f"{ms(('gloo', 1)):.0f} gloo threads waiting for a core, "
+                     f"{ms(('ckpt', 0)):.0f} checkpointer threads on a CPU")
     return "; ".join(parts)
 
 
@@ -297,11 +304,9 @@ def _neighbour(kind: str, nbytes: int, path: str, ready, stop) -> None:
             dst.copy_(src)
         elif kind == "CRC-32C":
             files.checksum(memoryview(src.numpy()))
-        elif kind == "O_DIRECT write":
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0))
-            files.write_all(fd, aligned)
-            os.fsync(fd)
-            os.close(fd)
+        elif kind == "O_DIRECT write":  # the local writer's own write, its CRC left out
+            with files.DurableBatch() as batch:
+                batch.write(path, aligned, known_crc=lambda: 0)
         else:
             time.sleep(0.01)
 
@@ -337,7 +342,9 @@ def neighbour_cost(nbytes: int, folder: Path, rounds: int = 4) -> dict:
                 ready, stop = spawn.Event(), spawn.Event()
                 p = spawn.Process(target=_neighbour, args=(kind, nbytes, str(folder / "n.bin"), ready, stop))
                 p.start()
-                ready.wait(120)  # the child's start-up (imports, buffers) off the clock
+                while not ready.wait(0.5):  # the child's start-up (imports, buffers) off the clock
+                    if not p.is_alive():  # else the loop would time an idle core as busy
+                        raise RuntimeError(f"the neighbour process ({kind}) died, exit code {p.exitcode}")
                 time.sleep(0.2)
                 times[kind] += [loop() for _ in range(8)]
                 stop.set()

@@ -118,10 +118,14 @@ def test_the_engine_puts_its_copy_writer_and_drain_where_the_policy_says(tmp_pat
         ("ckpt-staging-co", "ckpt-local-writ", "ckpt-pfs-draine"), want)
 
 
-def test_the_default_policy_is_normal_and_idle_is_asked_for():
+def test_sched_idle_only_when_asked_for():
     """SCHED_IDLE is opt-in: where training leaves no core idle it delays commits."""
-    assert config.Checkpoint().background_policy == "normal"
-    assert "idle" in config.BACKGROUND_POLICY
+    ckpt = config.Checkpoint()
+    assert config.background_idle(ckpt) is False
+    ckpt.background_policy = "idle"
+    assert config.background_idle(ckpt) is True
+    ckpt.background_policy = "normal"
+    assert config.background_idle(ckpt) is False
 
 
 def test_background_policy_unknown_is_refused_naming_the_key(tmp_path):

@@ -169,6 +169,11 @@ STAGING_COPY = ("thread", "save")
 BACKGROUND_POLICY = ("normal", "idle")
 
 
+def background_idle(ckpt) -> bool:
+    """Whether the checkpointer's threads run in SCHED_IDLE (background_policy)."""
+    return getattr(ckpt, "background_policy", "normal") == "idle"
+
+
 def background_nice(ckpt, accelerator: bool) -> int:
     """The nice increment of the background threads, `auto` (-1) resolved."""
     return ckpt.background_nice if ckpt.background_nice >= 0 else (10 if accelerator else 0)

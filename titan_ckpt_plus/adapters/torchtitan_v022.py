@@ -85,7 +85,7 @@ class TieredCheckpointManager(_StockManager):
             prefer_copy_in_save=checkpoint_config.staging_copy == "save",
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
-            background_idle=getattr(checkpoint_config, "background_policy", "normal") == "idle",
+            background_idle=config.background_idle(checkpoint_config),
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
