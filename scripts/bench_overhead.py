@@ -48,11 +48,15 @@ MODELS = {
     "100M": ("100M", 32, 1, 38, 2, ()),
     # the staging copy in save(), on the training thread, side by side with its own thread's
     "debugmodel-copyinsave": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.staging_copy=save",)),
+    # the threads in the normal class throughout, side by side with the default ("auto":
+    # SCHED_IDLE while on time, where the kernel lets a late thread come back)
+    "debugmodel-normal": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.background_policy=normal",)),
     # one rank, so one of the machine's 2 cores is left to the copy and background
     # threads: what a save costs the steps when training does not keep every core busy
     "debugmodel-1rank": ("debugmodel", 128, 2, 62, 1, ()),
 }
 LABELS = {"debugmodel-copyinsave": "debugmodel, staging_copy = \"save\" (not the default)",
+          "debugmodel-normal": "debugmodel, background_policy = \"normal\" (not the default)",
           "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)"}
 LOCAL_EVERY, PFS_EVERY = 3, 6
 LAUNCH_BOUND_BYTES = 614_571_000  # 100M's state per rank (586.1 MiB), for --launch-bound-only
@@ -279,7 +283,7 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
         alone += [loop() for _ in range(3)]
         ck.save(step)
         ck.wait_for_staging()
-        busy = threading.Thread(target=ck.flush)
+        busy = threading.Thread(target=ck.flush, args=(False,))  # the loop is one long step
         busy.start()
         while busy.is_alive():
             during.append(loop())
@@ -408,6 +412,40 @@ def drain_paths(nbytes: int, folder: Path) -> dict:
     return out
 
 
+def write_paths(nbytes: int, folder: Path, reps: int = 7) -> dict:
+    """A rank's part written durably the local tier's two ways, alternating, 0.4 s
+    apart (this disk's speed moves within seconds), in one idle process: into a new
+    file, the previous one deleted after (as retention did), and over a retired file
+    (LocalTier._retire: what a save does now). Medians; both through the local
+    writer's own DurableBatch, O_DIRECT from the page-aligned staging buffer."""
+    from titan_ckpt_plus.staging import HostBuffer
+
+    data = memoryview(HostBuffer(pin=False).ensure(nbytes).fill_(5).numpy())
+    folder.mkdir(parents=True, exist_ok=True)
+    out: dict = {"new_s": [], "delete_s": [], "over_s": []}
+    spare = folder / "spare"
+    with files.DurableBatch() as batch:
+        batch.write(str(spare), data)
+    for i in range(reps):
+        time.sleep(0.4)
+        t0 = time.perf_counter()
+        with files.DurableBatch() as batch:
+            batch.write(str(folder / f"new{i}"), data)
+        out["new_s"].append(time.perf_counter() - t0)
+        if i:
+            t0 = time.perf_counter()
+            os.unlink(folder / f"new{i - 1}")
+            out["delete_s"].append(time.perf_counter() - t0)
+        time.sleep(0.4)
+        t0 = time.perf_counter()
+        with files.DurableBatch() as batch:
+            batch.write(str(folder / "over"), data, reuse=str(spare))
+        out["over_s"].append(time.perf_counter() - t0)
+        os.rename(folder / "over", spare)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
     """The launch-bound target at nice 0, nice 10 and in SCHED_IDLE: the three ways
     round-robin, 3 times, the median of each: on this machine one pass can be 15
@@ -501,6 +539,10 @@ def main() -> None:
                      f"(read once, CRC-32C checked, written with its own) {fc['copy_s']:.2f} s; `copy_file_range` "
                      f"of the same file, nothing checked {fc['kernel_s']:.2f} s; the copied step loads back "
                      f"equal: {'yes' if fc['loads_equal'] else '**no**'}.")
+            wp = write_paths(int(rank_bytes), base / "writes")
+            probe += (f" The rank's part written durably, idle, median of 7 alternating: into a new file "
+                      f"{wp['new_s'] * 1e3:.0f} ms, and deleting the old one after {wp['delete_s'] * 1e3:.0f} ms; "
+                      f"over a retired file (what a local save does) {wp['over_s'] * 1e3:.0f} ms.")
             cost = neighbour_cost(int(rank_bytes), base / "neighbour")
             if cost:
                 probe += (" A compute loop on one core, slowed while the other core moves this rank's bytes "

@@ -78,7 +78,7 @@ def test_an_idle_thread_is_in_sched_idle_and_so_are_the_threads_it_starts():
     once. DCP's writer threads, started from the drain, inherit it."""
     before = os.sched_getscheduler(threading.get_native_id())
     seen: dict = {}
-    device_copy.Device().start_thread(_policy, "bg", seen, idle=True).join()
+    device_copy.Device().start_thread(_policy, "bg", seen, idle=priority.IdleWhileOnTime(True)).join()
     assert seen == {"policy": os.SCHED_IDLE, "child": os.SCHED_IDLE}
     assert os.sched_getscheduler(threading.get_native_id()) == before
     plain: dict = {}
@@ -96,42 +96,164 @@ def _thread_policies() -> dict:
     return out
 
 
+THREADS = ("ckpt-staging-co", "ckpt-local-writ", "ckpt-pfs-draine")
+
+
+def _engine(tmp_path, idle: bool, log: EventLog, local_interval: int = 1, pfs_interval: int = 1):
+    """The engine on one rank (the caller holds a gloo group of one)."""
+    state = {"model": {"w": torch.arange(4096, dtype=torch.float32)}, "train_state": {"step": 0}}
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
+                     local_interval=local_interval, pfs_interval=pfs_interval, local_keep=2, pfs_keep=2,
+                     rank=0, world_size=1, first_on_node=True, job_id="J", background_idle=idle)
+    return TieredCheckpointer(s, lambda: state, log)
+
+
 @LINUX
 @pytest.mark.parametrize("idle", [True, False])
 def test_the_engine_puts_its_copy_writer_and_drain_where_the_policy_says(tmp_path, idle):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        state = {"model": {"w": torch.arange(4096, dtype=torch.float32)}, "train_state": {"step": 0}}
-        s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
-                         local_interval=1, pfs_interval=1, local_keep=2, pfs_keep=2, rank=0,
-                         world_size=1, first_on_node=True, job_id="J", background_idle=idle)
-        ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+        ckpt = _engine(tmp_path, idle, EventLog(None))
         ckpt.save(1)
         ckpt.flush()  # the threads still do the work: the step reaches both tiers
         assert ckpt.stats.last_drained == 1
+        ckpt.save(2)  # flush() brought them back; this step's boundary finds nothing late
         policies = _thread_policies()  # after the work: each thread has set its own
         ckpt.close()
     finally:
         dist.destroy_process_group()
     want = os.SCHED_IDLE if idle else os.SCHED_OTHER
-    assert {k: policies.get(k) for k in ("ckpt-staging-co", "ckpt-local-writ", "ckpt-pfs-draine")} == dict.fromkeys(
-        ("ckpt-staging-co", "ckpt-local-writ", "ckpt-pfs-draine"), want)
+    assert [policies.get(k) for k in THREADS] == [want] * 3
 
 
-def test_sched_idle_only_when_asked_for():
-    """SCHED_IDLE is opt-in: where training leaves no core idle it delays commits."""
+@LINUX
+def test_a_save_still_writing_a_step_later_brings_the_engines_threads_back(tmp_path):
+    """The engine marks a save's write late at the next step's boundary: its threads
+    leave SCHED_IDLE (the event log says which work was late), and return once
+    nothing is late."""
+    if not priority.can_leave_idle():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE)")
+    from titan_ckpt_plus.telemetry import read_events
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        log = EventLog(str(tmp_path / "events.jsonl"))
+        ckpt = _engine(tmp_path, True, log, local_interval=2, pfs_interval=100)
+        disk, release = ckpt.local.write_part, threading.Event()
+
+        def slow_disk(*a, **k):
+            release.wait()
+            return disk(*a, **k)
+
+        ckpt.local.write_part = slow_disk
+        ckpt.save(2)
+        ckpt.wait_for_staging()
+        on_time = _thread_policies()
+        ckpt.save(3)  # not a save step: a boundary, with step 2's write still in flight
+        late = _thread_policies()
+        release.set()
+        ckpt._write_q.join()
+        assert ckpt.stats.last_committed == 2
+        ckpt.save(4)
+        back = _thread_policies()
+        ckpt.close()
+        log.flush()
+    finally:
+        dist.destroy_process_group()
+    assert [on_time[n] for n in THREADS] == [os.SCHED_IDLE] * 3
+    assert [late[n] for n in THREADS] == [os.SCHED_OTHER] * 3
+    assert [back[n] for n in THREADS] == [os.SCHED_IDLE] * 3
+    recorded = [e for e in read_events(str(tmp_path / "events.jsonl")) if e["event"] == "background_late"]
+    assert [(e["step"], e["late"]) for e in recorded] == [(3, ["write 2"])]
+
+
+def test_sched_idle_by_default_only_where_late_threads_can_come_back():
+    """"auto" and "idle" mean SCHED_IDLE only where a late thread may leave it again;
+    "normal" never."""
     ckpt = config.Checkpoint()
-    assert config.background_idle(ckpt) is False
-    ckpt.background_policy = "idle"
-    assert config.background_idle(ckpt) is True
-    ckpt.background_policy = "normal"
-    assert config.background_idle(ckpt) is False
+    assert ckpt.background_policy == "auto"
+    for policy, can, want in [("auto", True, True), ("auto", False, False), ("idle", True, True),
+                              ("idle", False, False), ("normal", True, False)]:
+        ckpt.background_policy = policy
+        assert config.background_idle(ckpt, can) is want, (policy, can)
+
+
+@LINUX
+def test_without_cap_sys_nice_a_thread_cannot_leave_sched_idle_and_the_probe_says_so():
+    """Unprivileged (no CAP_SYS_NICE, RLIMIT_NICE 0, as on most clusters) a thread in
+    SCHED_IDLE stays there: the probe must see it, so "auto" keeps the normal class."""
+    import shutil
+    import subprocess
+    import sys
+
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to drop CAP_SYS_NICE")
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20:
+        pytest.skip("RLIMIT_NICE lets any thread come back")
+    code = "from titan_ckpt_plus import priority; print(priority.can_leave_idle())"
+    out = subprocess.run([setpriv, "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", sys.executable,
+                          "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
+    assert priority.can_leave_idle() is True  # root here, with CAP_SYS_NICE
+
+
+def test_work_still_in_flight_when_its_step_ends_is_late_until_none_is():
+    """A save's write begins at a step boundary (save() runs the boundary first), a
+    drain mid-step: either is late at the next boundary it is still in flight at."""
+    w = priority.IdleWhileOnTime(enabled=False)  # the rule alone: no thread is touched
+    assert w.boundary() == []
+    w.begin(("write", 1))
+    w.begin(("drain", 1))
+    assert w.boundary() == [("drain", 1), ("write", 1)] and w.promoted and w.promotions == 1
+    w.end(("write", 1))
+    assert w.boundary() == [("drain", 1)] and w.promoted and w.promotions == 1
+    w.end(("drain", 1))
+    assert w.boundary() == [] and not w.promoted
+    w.begin(("write", 2))
+    w.end(("write", 2))  # done within its step: never late
+    assert w.boundary() == [] and not w.promoted and w.promotions == 1
+    w.begin(("drain", 2))
+    w.promote()  # a flush: training waits for it
+    assert w.promoted and w.promotions == 1
+
+
+@LINUX
+def test_late_work_brings_every_checkpointer_thread_back_and_on_time_work_returns_them():
+    if not priority.can_leave_idle():
+        pytest.skip("this process may not leave SCHED_IDLE (no CAP_SYS_NICE)")
+    w = priority.IdleWhileOnTime(enabled=True)
+    go, tids = threading.Event(), []
+
+    def worker():
+        tids.append(threading.get_native_id())
+        go.wait()
+
+    threads = [device_copy.Device().start_thread(worker, f"bg{i}", idle=w) for i in range(2)]
+    while len(tids) < 2:
+        go.wait(0.01)
+    classes = lambda: [os.sched_getscheduler(t) for t in tids]  # noqa: E731
+    assert classes() == [os.SCHED_IDLE] * 2
+    w.boundary()
+    w.begin(("write", 4))  # as save() does, right after the boundary
+    assert classes() == [os.SCHED_IDLE] * 2
+    w.boundary()
+    assert classes() == [os.SCHED_OTHER] * 2  # through a whole step: late
+    w.end(("write", 4))
+    w.boundary()
+    assert classes() == [os.SCHED_IDLE] * 2
+    go.set()
+    for t in threads:
+        t.join()
+    assert w._tids == []  # ended threads are forgotten: their tids may be reused
 
 
 def test_background_policy_unknown_is_refused_naming_the_key(tmp_path):
     ckpt = config.Checkpoint(tier_local=True, local_folder=str(tmp_path / "l"), background_policy="low")
     ckpt.enable, ckpt.interval, ckpt.keep_latest_k, ckpt.folder = True, 10, 3, "checkpoint"
-    with pytest.raises(config.ConfigError, match=r"background_policy = 'low' is unknown. Fix: \"normal\""):
+    with pytest.raises(config.ConfigError, match=r"background_policy = 'low' is unknown. Fix: \"auto\""):
         config.validate(ckpt, str(tmp_path / "dump"))
 
 

@@ -231,6 +231,36 @@ def test_placement_by_failure_domain():
     assert ReplicaPlacement(6, 2, 2, ("a", "a", "b", "b", "c", "c")).peers(5) == [1, 3]
 
 
+def test_a_purged_steps_data_file_is_written_over_by_the_next_save(tmp_path):
+    """Retention retires a data file instead of deleting it; the rank's next part is
+    written into it (its blocks stay allocated: no extent allocation, no discard of
+    freed blocks), cut to the new part's size, and reads back verified."""
+    tier = LocalTier(str(tmp_path), 0, 1, True, 2, job_id="J")
+    big = dict(_state(), extra=torch.randn(70_000))  # a longer part than the next ones
+    for s, state in ((1, big), (2, _state()), (3, _state())):
+        _write(tier, s, state)
+        tier.commit(s, {})
+    spare = tier._spare(0)
+    inode = os.stat(tier._part(1, "data")).st_ino
+    assert tier.purge(protected=set()) == [1] and tier.steps() == [2, 3]
+    assert os.stat(spare).st_ino == inode and os.path.getsize(spare) > 280_000  # retired whole
+    _write(tier, 4, _state())
+    tier.commit(4, {})
+    assert not os.path.exists(spare)
+    part = tier._part(4, "data")
+    assert os.stat(part).st_ino == inode  # the same file, written over
+    layout_bytes, data, _ = tier.read_part(4)  # its size and CRC-32C are the new part's
+    assert os.path.getsize(part) == len(data) < 280_000
+    layout = staging.StateLayout.from_bytes(layout_bytes)
+    back = staging.rebuild(layout, torch.frombuffer(data, dtype=torch.uint8))
+    assert torch.equal(back["w"], _state()["w"])
+    inode2 = os.stat(tier._part(2, "data")).st_ino
+    tier.purge(protected=set())
+    assert tier.steps() == [3, 4] and os.stat(spare).st_ino == inode2
+    tier.discard(3, held=[])  # a second file to retire while a spare waits: deleted
+    assert os.stat(spare).st_ino == inode2 and sorted(os.listdir(os.path.dirname(spare))) == ["rank-00000.data"]
+
+
 def test_discarding_an_uncommitted_step_frees_its_files_and_keeps_the_rest(tmp_path):
     tier = LocalTier(str(tmp_path), 0, 1, True, 2)
     _write(tier, 2, _state())
@@ -255,6 +285,11 @@ def test_durable_write_of_a_page_aligned_buffer_with_a_ragged_tail(tmp_path):
         entry = files.write_durable(str(tmp_path / "part.data"), data)
         assert (tmp_path / "part.data").read_bytes() == bytes(data)
         assert entry == files.entry(data)
+        # written over a longer retired file: the same bytes, the file cut to them
+        (tmp_path / "spare").write_bytes(b"\xff" * (n + 5 * files.PAGE))
+        with files.DurableBatch() as batch:
+            assert batch.write(str(tmp_path / "again.data"), data, reuse=str(tmp_path / "spare")) == entry
+        assert (tmp_path / "again.data").read_bytes() == bytes(data) and not (tmp_path / "spare").exists()
 
 
 def _thp_mode() -> str:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from titan_ckpt_plus import device_copy, faults, recovery, staging
+from titan_ckpt_plus import device_copy, faults, priority, recovery, staging
 from titan_ckpt_plus.drain import PfsDrain, StagedBytes
 from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
@@ -65,7 +65,7 @@ class TierSettings:
     prefer_copy_in_save: bool = False
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
-    background_idle: bool = False  # the copy, the writer and the drain in SCHED_IDLE
+    background_idle: bool = False  # the copy, the writer and the drain in SCHED_IDLE while on time
 
     @property
     def layout_tag(self) -> dict:
@@ -142,6 +142,7 @@ class TieredCheckpointer:
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
         self.commit_pg = dist.new_group(backend="gloo")
+        self.background = priority.IdleWhileOnTime(s.background_idle)
         self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self.record_failure,
                               self._drained, self._info)
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
@@ -169,12 +170,12 @@ class TieredCheckpointer:
         # for it to start, and to hand the GIL back.
         self._copy_q: queue.Queue = queue.Queue()
         self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy",
-                                                idle=self.s.background_idle)
+                                                idle=self.background)
 
     def _background(self, target, name: str):
         """A thread on the rank's device, below training's CPU and I/O priority."""
         return self.device.start_thread(target, name, nice=self.s.background_nice,
-                                        idle=self.s.background_idle)
+                                        idle=self.background)
 
     # ---- training-thread side -------------------------------------------------
 
@@ -186,6 +187,7 @@ class TieredCheckpointer:
         if self._last_step_call and self._last_step_call[0] == step - 1:
             self._step_time = now - self._last_step_call[1]
         self._last_step_call = (step, now)
+        self._step_boundary(step)
         save_now, pfs_due = self.schedule.due(step, last_step)
         if not save_now:
             return
@@ -194,6 +196,7 @@ class TieredCheckpointer:
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
+        self.background.begin(("write", step))
         inline = (last_step or not self.s.overlap_copy
                   or (self.s.prefer_copy_in_save and not self._buffer_lent()))
         try:
@@ -226,6 +229,16 @@ class TieredCheckpointer:
             self.wait_for_staging()
         if last_step:
             self.flush()
+
+    def _step_boundary(self, step: int) -> None:
+        """Once a step: the background threads leave SCHED_IDLE while a save or a drain
+        is late (priority.IdleWhileOnTime), so a failure loses at most about a step
+        more work than at normal priority."""
+        promotions = self.background.promotions
+        late = self.background.boundary()
+        if self.background.promotions > promotions:
+            self.events.record("background_late", step=step, late=[f"{k} {s}" for k, s in late],
+                               promoted=self.background.enabled)
 
     def _buffer_lent(self) -> bool:
         """Whether a drain still reads the staging buffer (a loan it has not returned)."""
@@ -356,14 +369,18 @@ class TieredCheckpointer:
         if estimate > remaining:
             return newest_pfs, (f"not promoting local step {job.step}: the drain takes about "
                                 f"{estimate:.1f}s, {remaining:.1f}s of grace left")
-        self.drain.submit(job)
+        self._drain(job)
         self.drain.join()
         if self.stats.last_drained == job.step:
             return job.step, f"promoted local step {job.step} to the PFS"
         return newest_pfs, f"promoting local step {job.step} failed (see above)"
 
-    def flush(self) -> None:
-        """Wait until every queued local write and PFS drain is done."""
+    def flush(self, promote: bool = True) -> None:
+        """Wait until every queued local write and PFS drain is done. `promote`: the
+        training loop waits for them, so they stop yielding the CPU (a benchmark that
+        times work beside them passes False)."""
+        if promote:
+            self.background.promote()
         self.wait_for_staging()
         self._write_q.join()
         self.drain.join()
@@ -463,6 +480,7 @@ class TieredCheckpointer:
             try:
                 self._write(job)
             finally:
+                self.background.end(("write", job.step))
                 self._write_q.task_done()
         self._write_q.task_done()
 
@@ -515,7 +533,7 @@ class TieredCheckpointer:
             if job.ok:
                 self.record_failure("local", job.step, "another rank's part failed")
             if job.pfs_due and drainable:
-                self.drain.submit(job)  # from this rank's uncommitted part or memory
+                self._drain(job)  # from this rank's uncommitted part or memory
             else:
                 self._drained(job)
             return
@@ -539,7 +557,7 @@ class TieredCheckpointer:
                                time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
                                staging_cpu_s=job.staging_cpu_s, phases=clock.phases)
         if job.pfs_due:
-            self.drain.submit(job)
+            self._drain(job)
         try:
             held = self.placement.sources(self.s.rank) if self.placement else []
             if not self.s.first_on_node:
@@ -595,9 +613,14 @@ class TieredCheckpointer:
                            bytes_received=received, ok=ok)
         return ok
 
+    def _drain(self, job: _Job) -> None:
+        self.background.begin(("drain", job.step))
+        self.drain.submit(job)
+
     def _drained(self, job: _Job) -> None:
         """A step's drain is over (or none comes): free the staging buffer it held, and
         drop an uncommitted step's local files."""
+        self.background.end(("drain", job.step))
         if job.loan is not None:
             job.loan.returned = True  # the next save may copy in save() again
             if not job.loan.reclaimable:

@@ -89,16 +89,19 @@ class Checkpoint:
     CPU-only machine, where training keeps every core busy and a lowered writer would
     commit each step several steps late."""
 
-    background_policy: str = "normal"
+    background_policy: str = "auto"
     """How the checkpointer's threads (the staging copy, the writer, the drain) yield
-    the CPU to training's. "normal": the scheduler's normal class, the writer and the
-    drain at background_nice. "idle": Linux's SCHED_IDLE, so they run only on a core
-    that training's threads leave free and give it back the moment one wakes: on 2
-    CPU ranks it more than halved what a local save cost debugmodel's steps
-    (BENCHMARKS.md), but where training leaves no core idle (pipeline parallel on
-    CPU) a slowed save was still not committed two steps later, when a kill came,
-    and a drain did not finish before one: more work is lost to a failure. Not the
-    default for that reason."""
+    the CPU to training's. "idle": Linux's SCHED_IDLE while their work is on time, so
+    they run only on a core training's threads leave free and give it back the moment
+    one wakes (on 2 CPU ranks it more than halved what a local save cost debugmodel's
+    steps, BENCHMARKS.md); a save or a drain in flight through a whole training step
+    brings them back to the normal class until it is done, so where training leaves
+    no core idle (pipeline parallel on CPU) a failure loses no more work than at
+    normal priority. Coming back needs CAP_SYS_NICE or RLIMIT_NICE >= 20 (root in
+    most containers); without it "idle" is refused with a warning and the threads
+    stay normal. "normal": the scheduler's normal class, the writer and the drain at
+    background_nice. "auto" (the default): "idle" where the threads may come back,
+    else "normal"."""
 
     staging_copy: str = "thread"
     """Where a save's copy of the state into the staging buffer runs: "thread" (the copy
@@ -166,12 +169,13 @@ def _validate_adaptive(ckpt) -> None:
 STAGING_COPY = ("thread", "save")
 
 
-BACKGROUND_POLICY = ("normal", "idle")
+BACKGROUND_POLICY = ("auto", "idle", "normal")
 
 
-def background_idle(ckpt) -> bool:
-    """Whether the checkpointer's threads run in SCHED_IDLE (background_policy)."""
-    return getattr(ckpt, "background_policy", "normal") == "idle"
+def background_idle(ckpt, can_leave_idle: bool) -> bool:
+    """Whether the checkpointer's threads run in SCHED_IDLE while on time
+    (background_policy): only where they may leave it again when late."""
+    return getattr(ckpt, "background_policy", "auto") != "normal" and can_leave_idle
 
 
 def background_nice(ckpt, accelerator: bool) -> int:
@@ -246,10 +250,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] background_nice = {ckpt.background_nice} is invalid. Fix: 0 (background "
             "threads at training's priority) to 19 (lowest), or -1 (auto, the default).")
-    if getattr(ckpt, "background_policy", "normal") not in BACKGROUND_POLICY:
+    if getattr(ckpt, "background_policy", "auto") not in BACKGROUND_POLICY:
         raise ConfigError(
-            f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"normal\" "
-            "(the default, nice background_nice) or \"idle\" (SCHED_IDLE).")
+            f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"auto\" "
+            "(the default), \"idle\" (SCHED_IDLE while on time) or \"normal\" (nice background_nice).")
     if getattr(ckpt, "staging_copy", "thread") not in STAGING_COPY:
         raise ConfigError(
             f"[checkpoint] staging_copy = {ckpt.staging_copy!r} is unknown. Fix: \"thread\" (the "

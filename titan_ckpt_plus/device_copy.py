@@ -99,17 +99,25 @@ class Device:
         """On the training thread, once the saved step's update is queued."""
         return Copy()
 
-    def start_thread(self, target, name: str, *args, nice: int = 0, idle: bool = False) -> threading.Thread:
+    def start_thread(self, target, name: str, *args, nice: int = 0,
+                     idle: priority.IdleWhileOnTime | None = None) -> threading.Thread:
         """Every background thread of the checkpointer starts here; `nice` > 0 puts it
-        below training's CPU and I/O priority, `idle` in SCHED_IDLE (priority.py)."""
+        below training's CPU and I/O priority; `idle` runs it in SCHED_IDLE while its
+        work is on time (priority.py)."""
         t = threading.Thread(target=self._run, args=(target, nice, idle, *args), name=name, daemon=True)
         t.start()
         return t
 
-    def _run(self, target, nice: int, idle: bool, *args) -> None:
+    def _run(self, target, nice: int, idle: priority.IdleWhileOnTime | None, *args) -> None:
         priority.name_this_thread(threading.current_thread().name)
-        priority.lower_this_thread(nice, idle)
-        self._on_device(target, *args)
+        priority.lower_this_thread(nice)
+        if idle is not None:
+            idle.enter()
+        try:
+            self._on_device(target, *args)
+        finally:
+            if idle is not None:
+                idle.leave()
 
     def _on_device(self, target, *args) -> None:
         target(*args)

@@ -8,6 +8,7 @@ No torch import: unit-testable alone.
 """
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -23,32 +24,23 @@ IOPRIO_CLASS_BE = 2  # best effort: the class every thread starts in
 BE_LOWEST = 7
 
 
-def lower_this_thread(nice: int, idle: bool = False) -> dict:
+def lower_this_thread(nice: int) -> dict:
     """Raise this thread's nice value by `nice` (capped at 19) and put its I/O in the
-    lowest best-effort level; with `idle`, put it in SCHED_IDLE too: it then runs only
-    on a core no normal thread wants, and a waking training or gloo thread takes the
-    core back at once. A nice value only shrinks the thread's share: on 2 CPU ranks
-    that keep both cores busy, training's gloo threads still waited behind a nice-19
-    writer; SCHED_IDLE more than halved what a local save cost debugmodel's steps
-    (BENCHMARKS.md, overhead).
+    lowest best-effort level. A nice value only shrinks the thread's share: on 2 CPU
+    ranks that keep both cores busy, training's gloo threads still waited behind a
+    nice-19 writer; SCHED_IDLE (IdleWhileOnTime) more than halved what a local save
+    cost debugmodel's steps (BENCHMARKS.md, overhead).
     Returns what took effect, for the log and the tests."""
-    done = {"nice": None, "ioprio": None, "idle": False}
-    if nice <= 0 and not idle:
+    done = {"nice": None, "ioprio": None}
+    if nice <= 0:
         return done
     tid = threading.get_native_id()
-    if idle:
-        try:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            done["idle"] = os.sched_getscheduler(tid) == os.SCHED_IDLE
-        except (OSError, AttributeError) as e:
-            log.debug(f"[titan_ckpt_plus] could not put thread {tid} in SCHED_IDLE: {e!r}")
-    if nice > 0:
-        try:
-            now = os.getpriority(os.PRIO_PROCESS, tid)
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
-            done["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
-        except (OSError, AttributeError) as e:
-            log.debug(f"[titan_ckpt_plus] could not lower thread {tid}'s CPU priority: {e!r}")
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + nice))
+        done["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+    except (OSError, AttributeError) as e:
+        log.debug(f"[titan_ckpt_plus] could not lower thread {tid}'s CPU priority: {e!r}")
     number = _SYS_IOPRIO_SET.get(platform.machine())
     if number is not None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -56,6 +48,106 @@ def lower_this_thread(nice: int, idle: bool = False) -> dict:
         if libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, value) == 0:
             done["ioprio"] = value
     return done
+
+
+def set_class(tid: int, idle: bool) -> bool:
+    """Put thread `tid` in SCHED_IDLE or back in the normal class (its nice value kept).
+    Leaving SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE that allows the thread's
+    nice value; returns whether it took effect."""
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+        return True
+    except (OSError, AttributeError):  # not permitted, a thread that ended, not Linux
+        return False
+
+
+@functools.cache
+def can_leave_idle() -> bool:
+    """Whether this process's threads may leave SCHED_IDLE again (root or CAP_SYS_NICE,
+    or RLIMIT_NICE >= 20): tried once on a throwaway thread."""
+    out: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        out.append(set_class(tid, idle=True) and set_class(tid, idle=False))
+
+    t = threading.Thread(target=probe, name="ckpt-idle-probe", daemon=True)
+    t.start()
+    t.join()
+    return out[0]
+
+
+class IdleWhileOnTime:
+    """The checkpointer's threads in SCHED_IDLE while their work keeps up with
+    training, back in the normal class (at their nice value) while some of it is late.
+
+    SCHED_IDLE gives a core back the moment a training or gloo thread wakes: on 2 CPU
+    ranks it cut what a local save cost debugmodel's steps by half or more. But where
+    training leaves no core idle (pipeline parallel on CPU) idle threads starve: a save
+    was not committed two steps later, and a failure then loses more work. So work
+    still in flight when the step it began in ends is late (a save's write: at the
+    end of the step after the save; a drain: of the step the writer handed it over
+    in): at that step boundary every checkpointer thread returns to the normal class,
+    and goes back to SCHED_IDLE at the first boundary with nothing in flight. A commit
+    then comes at most about a step later than at normal priority.
+
+    `enter()` on each thread at its start; `begin`/`end` around each unit of work,
+    from any thread; `boundary()` from the training thread once a step."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.promoted = False
+        self.promotions = 0
+        self._tids: list[int] = []
+        self._work: set = set()  # in flight
+        self._lock = threading.Lock()
+
+    def enter(self) -> None:
+        """On a checkpointer thread, as it starts."""
+        if not self.enabled:
+            return
+        with self._lock:
+            tid = threading.get_native_id()
+            self._tids.append(tid)
+            set_class(tid, idle=not self.promoted)
+
+    def leave(self) -> None:
+        """On a checkpointer thread, as it ends: its tid may be reused elsewhere."""
+        with self._lock:
+            if threading.get_native_id() in self._tids:
+                self._tids.remove(threading.get_native_id())
+
+    def begin(self, key) -> None:
+        with self._lock:
+            self._work.add(key)
+
+    def end(self, key) -> None:
+        with self._lock:
+            self._work.discard(key)
+
+    def boundary(self) -> list:
+        """A training step ended: whatever is still in flight began in it or before, so
+        it is late. Promote the threads if anything is, return them to SCHED_IDLE once
+        nothing is. Returns the late work."""
+        with self._lock:
+            late = sorted(self._work)
+        if late and not self.promoted:
+            self.promotions += 1
+            self._set(promoted=True)
+        elif not late and self.promoted:
+            self._set(promoted=False)
+        return late
+
+    def promote(self) -> None:
+        """The training loop waits for the work (a flush): nothing to yield to."""
+        if not self.promoted:
+            self._set(promoted=True)
+
+    def _set(self, promoted: bool) -> None:
+        with self._lock:
+            self.promoted = promoted
+            for tid in self._tids if self.enabled else ():
+                set_class(tid, idle=not promoted)
 
 
 def name_this_thread(name: str) -> None:

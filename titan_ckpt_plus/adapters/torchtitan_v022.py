@@ -85,7 +85,7 @@ class TieredCheckpointManager(_StockManager):
             prefer_copy_in_save=checkpoint_config.staging_copy == "save",
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
-            background_idle=config.background_idle(checkpoint_config),
+            background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
@@ -110,11 +110,18 @@ class TieredCheckpointManager(_StockManager):
         self._sigterm_at: float | None = None
         if self._grace_s > 0 and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        policy_key = getattr(checkpoint_config, "background_policy", "auto")
         logger.info(f"[titan_ckpt_plus] tiers on, job {self.job.job_id}: local {settings.local_root} every "
                     f"{settings.local_interval} steps, PFS {self.folder} every "
                     f"{settings.pfs_interval} steps; its threads "
-                    + ("in SCHED_IDLE" if settings.background_idle else f"at nice +{settings.background_nice}")
-                    + f" (background_policy {getattr(checkpoint_config, 'background_policy', 'normal')!r})")
+                    + ("in SCHED_IDLE while on time" if settings.background_idle
+                       else f"at nice +{settings.background_nice}")
+                    + f" (background_policy {policy_key!r})")
+        if policy_key == "idle" and not settings.background_idle:
+            logger.warning('[titan_ckpt_plus] [checkpoint] background_policy = "idle" cannot be honoured: '
+                           "a thread in SCHED_IDLE could not come back when its work is late (needs "
+                           "CAP_SYS_NICE or RLIMIT_NICE >= 20). The threads stay in the normal class. Fix: "
+                           'raise the limit (ulimit -e 20, limits.conf "nice"), or set "normal" or "auto".')
 
     @staticmethod
     def _placement(ckpt, world: int) -> ReplicaPlacement | None:

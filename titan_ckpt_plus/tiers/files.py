@@ -145,12 +145,19 @@ def address(view: memoryview) -> int | None:
         return None
 
 
-def _open_for_write(path: str, view: memoryview) -> tuple[int, bool]:
+def _open_for_write(path: str, view: memoryview, reuse: str | None = None) -> tuple[int, bool]:
     """(fd, direct): O_DIRECT when the buffer is page-aligned and the file system
     takes it (tmpfs does not). Direct writes skip the page-cache copy, so a save
     costs the training ranks' cores almost nothing; the bytes go from the staging
-    buffer to the disk."""
+    buffer to the disk. `reuse`: a retired file to write over instead of a new one
+    (see LocalTier._retire), taken if it is there; its blocks are allocated already."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if reuse is not None:
+        try:
+            os.rename(reuse, path)
+            flags &= ~os.O_TRUNC
+        except OSError:  # none to reuse (the first saves, another file system)
+            pass
     addr = address(view) if len(view) >= 1 << 20 else None
     if addr is not None and addr % PAGE == 0 and hasattr(os, "O_DIRECT"):
         try:
@@ -206,16 +213,18 @@ class DurableBatch:
     def __enter__(self) -> "DurableBatch":
         return self
 
-    def write(self, path: str, data, on_chunk=None, before_chunk=None, known_crc=None) -> dict:
+    def write(self, path: str, data, on_chunk=None, before_chunk=None, known_crc=None,
+              reuse: str | None = None) -> dict:
         """Write `data` (a buffer) for `path`; returns its manifest entry.
         `before_chunk(end)` may block until data[:end] is ready (the write follows the
         staging copy); `on_chunk(bytes_written)` runs between chunks (fault injection);
         `known_crc()`, if given, is the CRC-32C of all of `data` once it is ready (the
-        staging copy took it), so none is computed here."""
+        staging copy took it), so none is computed here; `reuse`: a retired file to
+        write over (_open_for_write)."""
         view = memoryview(data).cast("B")
         crc = 0
         tmp = f"{path}.tmp{os.getpid()}"
-        fd, direct = _open_for_write(tmp, view)
+        fd, direct = _open_for_write(tmp, view, reuse)
         self._open.append((fd, tmp, path))
         for start, end in _chunks(len(view)):
             chunk = view[start:end]
@@ -228,6 +237,8 @@ class DurableBatch:
             write_all(fd, chunk)
             if on_chunk:
                 on_chunk(end)
+        if os.fstat(fd).st_size > len(view):  # a reused file that was longer
+            os.ftruncate(fd, len(view))
         return {"size": len(view), SUM: crc if known_crc is None else known_crc()}
 
     def __exit__(self, exc_type, *_) -> None:

@@ -3,6 +3,8 @@ one subfolder per job, one part per rank per step.
 
     <local_folder>/job-<id>/JOB.json    the job's identity and where its dump folder is
                            .lock        held by the node's first rank while it runs
+                           .spare/rank-00003.data    a retired data file, written over by the
+                                                     rank's next save (LocalTier._retire)
                            step-N/rank-00003.data    the rank's staged buffer: its tensors in
                                                      DCP's per-rank file form (staging.py)
                                   rank-00003.layout  where each tensor lives in it (plain pickle)
@@ -32,6 +34,7 @@ COMMIT = "COMMIT.json"
 JOB_PREFIX = "job-"
 JOB_RECORD = "JOB.json"
 LOCK = ".lock"
+SPARE = ".spare"
 
 
 def part_matches(m: dict | None, rank: int, step: int, job_id: str, world_size: int,
@@ -281,7 +284,8 @@ class LocalTier:
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [self.rank])
         with files.DurableBatch() as batch:
-            data_entry = batch.write(self._part(step, "data"), data, on_chunk, before_chunk, known_crc)
+            data_entry = batch.write(self._part(step, "data"), data, on_chunk, before_chunk, known_crc,
+                                     reuse=self._spare(self.rank))
             layout_bytes, meta = describe()
             manifest = dict(meta, job_id=self.job_id, step=step, rank=self.rank,
                             world_size=self.world_size, written_at=time.time())
@@ -296,7 +300,7 @@ class LocalTier:
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [rank])
         with files.DurableBatch() as batch:
-            batch.write(self._part(step, "data", rank), data)
+            batch.write(self._part(step, "data", rank), data, reuse=self._spare(rank))
             batch.write(self._part(step, "layout", rank), layout)
             batch.write(self._part(step, "json", rank), manifest)
 
@@ -414,6 +418,23 @@ class LocalTier:
             raise files.CorruptCheckpoint(f"{self._part(step, 'json', rank)}: missing or unreadable")
         return m
 
+    def _spare(self, rank: int) -> str:
+        return os.path.join(self.root, SPARE, f"rank-{rank:05d}.data")
+
+    def _retire(self, path: str, rank: int) -> None:
+        """A data file retention no longer keeps becomes the rank's spare, written
+        over by its next save instead of deleted and made anew: its blocks stay
+        allocated, so that write neither allocates nor converts extents, and no delete
+        (with the file system's discard, a TRIM of every freed block) loads the disk
+        (BENCHMARKS.md, save). One spare per rank: the disk holds one more part at
+        rest, and no more while a step is written."""
+        spare = self._spare(rank)
+        if os.path.exists(spare):
+            os.remove(path)
+            return
+        os.makedirs(os.path.dirname(spare), exist_ok=True)
+        os.rename(path, spare)
+
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)
         if self.first_on_node and os.path.exists(os.path.join(d, COMMIT)):
@@ -422,7 +443,10 @@ class LocalTier:
             for suffix in ("json", "layout", "data"):
                 p = self._part(s, suffix, r)
                 if os.path.exists(p):
-                    os.remove(p)
+                    if suffix == "data":
+                        self._retire(p, r)
+                    else:
+                        os.remove(p)
         try:
             os.rmdir(d)
         except OSError:
