@@ -12,8 +12,9 @@
     .venv/bin/python scripts/bench_overhead.py [--update BENCHMARKS.md] [--models debugmodel,100M,...]
 
 debugmodel and the 100M flavor, 2 CPU ranks, local every 3 steps, PFS every 6; debugmodel
-with the staging copy in save() (staging_copy = "save"); and debugmodel on one rank, which
-leaves one of the 2 cores to the checkpointer's threads.
+with the staging copy in save() (staging_copy = "save"), and with the checkpointer's threads
+in the normal class throughout (background_policy = "normal"); and debugmodel on one rank,
+which leaves one of the 2 cores to the checkpointer's threads.
 """
 
 import argparse
@@ -86,25 +87,33 @@ thread on a CPU, waiting for a core, and asleep (a collective, the GIL); the glo
 waits for a core; the checkpointer threads' CPU. They show why a save's CPU cost the steps more
 than itself on 2 ranks, which keep both cores about 85% busy: its threads kept training's off
 the cores. Measured apart (debugmodel, jobs interleaved) with the checkpointer's threads at nice
-0, this machine's default until this run: a drain step's +46 ms went to +8 ms more of the
+0 (the normal class): a drain step's +46 ms went to +8 ms more of the
 training thread's own CPU, +14 ms waiting for a core and +24 ms asleep, while the gloo threads
-waited +28 ms more for a core; nice 19 helped less, and not in every job (3 jobs). In SCHED_IDLE
-(background_policy "idle"; the table's rows ran with it), which gives a core back the moment a
-training or gloo thread wakes, each of 4 jobs beat each of 4 at nice 0 on the local save's step (+0.04
-to +0.08 against +0.12 to +0.15) and on a PFS period (+0.12 to +0.28 against +0.35 to +0.52),
-and the drain's step mostly (+0.08 to +0.21 against +0.19 to +0.25); a local commit came 54 ms after its save
-against 41 (at most 115, under a step) and a drain took 0.07 s against 0.06. On 100M, 4 jobs
-each way could not tell the two apart: its undisturbed step moved from 1.2 to 1.7 s within the
-hour. It is not the default: where training leaves no core idle (pipeline parallel on CPU), a
-slowed save was still not committed two steps later, when a kill came, and a drain did not
-finish before one. What is left is moving the bytes, which costs the other core's math too (the neighbour
+waited +28 ms more for a core; nice 19 helped less, and not in every job (3 jobs). The default
+rows run the threads in SCHED_IDLE while their work is on time (background_policy "auto", as
+root here), which gives a core back the moment a training or gloo thread wakes; a save's write
+or a drain still in flight when its step ends brings them back to the normal class (the
+"normal" row: nice 0 throughout, side by side). SCHED_IDLE without that check starved a
+pipeline-parallel job's commit past a kill; with it those jobs pass. On
+debugmodel, 4 interleaved jobs each way: local step +0.070 / +0.076 (normal), drain step
++0.146 / +0.200, a local commit 75 / 58 ms after its save. On 100M, 2 each way: local +0.19 /
++0.29, drain +0.15 / +0.13; its undisturbed step moves by a third within the hour. Local
+retention retires a part's data file and the next save writes over it: the probe row times
+both ways; on 100M, 2 interleaved jobs each way, a local commit came 506 ms after its save
+against 715 ms with new files and deletes, and a drain took 0.64 s against 0.95 s (the deletes'
+TRIMs, this disk is mounted with discard, no longer load it), the steps the same within the
+noise. What is left is moving the bytes, which costs the other core's math too (the neighbour
 probe above; the floor counts CPU time alone), and about 5 ms of commit, vote, gather and
 retention per save and drain. The PFS folder is on the same disk as
 the local one, and the disk's speed changes from second to second. Peak RSS is a job's largest rank's, to the KiB, the least
 of the jobs each way (the same job's peak moves by up to a tenth from run to run). The
 probe row times the three ways of making the PFS step in one idle process. The launch-bound
 rows are the same loop beside the same save + drain with the background threads at training's
-priority, 10 below it, and in SCHED_IDLE, each 3 times round-robin."""
+priority, 10 below it, and in SCHED_IDLE, each 3 times round-robin; the stall row is the share
+of the loop's time in waits long enough to be the GIL's (a helper process would remove only
+those). Peak RSS during saves and drains is each rank's peak per step (reset at every step),
+over the steps the tiers-on job saved or drained in, against the same steps of the job with
+checkpointing off; the whole job's peak also counts start-up and the last step."""
 
 
 def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
@@ -169,6 +178,22 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
         if s in t and s - 1 in t and drains and t[s - 1] >= drains[0]["time"]:
             out["all"].append(t[s] - t[s - 1])
     return out
+
+
+def peak_during(on: Path, off: Path, steps: int, ranks: int) -> tuple[int, int]:
+    """(checkpointing off, tiers on): the largest rank's peak RSS over the steps the
+    tiers-on job saved or drained in (step_classes, first save and drain included),
+    from every rank's peak since the previous step (telemetry.peak_rss_since_last); the
+    job with checkpointing off over the same steps. What the issue asks, without
+    start-up's and the last step's peaks, which move by up to a tenth between runs
+    of the same job."""
+    busy = {s for s, kind in step_classes(on, steps).items() if kind != "undisturbed"}
+
+    def peak(work: Path) -> int:
+        return max(r["peak_rss"] for rank in range(ranks) for r in events(work / f"sched.{rank}", "sched")
+                   if r["step"] in busy and r.get("peak_rss"))
+
+    return peak(off), peak(on)
 
 
 def _group(thread: str) -> str:
@@ -268,19 +293,30 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
                      background_nice=nice, background_idle=idle)
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
 
-    def loop(k: int = 4000) -> float:
+    def loop(k: int = 40) -> float:
+        """k x 100 tiny ops; the time of each 100 that took 2 ms or more (about 0.2 ms
+        undisturbed) goes to `stalls`: waiting for the GIL takes a switch interval (5 ms)
+        before the holder is asked to let go, so a helper process would win back at
+        most these."""
         x = torch.ones(4)
-        t0 = time.perf_counter()
+        start = t0 = time.perf_counter()
         for _ in range(k):
-            x = x + 1
-        return time.perf_counter() - t0
+            for _ in range(100):
+                x = x + 1
+            t1 = time.perf_counter()
+            if t1 - t0 >= 2e-3:
+                stalls.append(t1 - t0)
+            t0 = t1
+        return t0 - start
 
     # alone and during interleaved, round by round: the machine's speed drifts over
     # seconds (a previous job's writeback, the host), and 15 samples taken first once
     # made the loop look 30% faster during saves than alone
-    alone, during = [], []
+    alone, during, stalls, stalled = [], [], [], {"alone": 0.0, "during": 0.0}
     for step in range(1, rounds + 1):
         alone += [loop() for _ in range(3)]
+        stalled["alone"] += sum(stalls)
+        del stalls[:]
         ck.save(step)
         ck.wait_for_staging()
         busy = threading.Thread(target=ck.flush, args=(False,))  # the loop is one long step
@@ -288,9 +324,12 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
         while busy.is_alive():
             during.append(loop())
         busy.join()
+        stalled["during"] += sum(stalls)
+        del stalls[:]
     ck.close()
     dist.destroy_process_group()
-    return {"alone_s": statistics.median(alone), "during_s": statistics.median(during), "samples": len(during)}
+    return {"alone_s": statistics.median(alone), "during_s": statistics.median(during), "samples": len(during),
+            "stalled_alone": stalled["alone"] / sum(alone), "stalled_during": stalled["during"] / sum(during)}
 
 
 def _neighbour(kind: str, nbytes: int, path: str, ready, stop) -> None:
@@ -452,17 +491,27 @@ def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
     points off the next (its speed moves within seconds)."""
     ways = ((0, False), (10, False), (0, True))
     slows: dict = {w: [] for w in ways}
+    stalled: dict = {"alone": [], "during": []}
     for rep in range(3):
         for nice, idle in ways:
             lb = launch_bound(nbytes, base / f"launch-{nice}-{idle}-{rep}", nice, idle)
             slows[(nice, idle)].append(lb["during_s"] / lb["alone_s"] - 1)
-    rows = []
+            stalled["alone"].append(lb["stalled_alone"])
+            stalled["during"].append(lb["stalled_during"])
+    rows = [("launch-bound loop: its time in stalls of 2 ms or more (a GIL hand-over waits 5 ms), "
+             "alone / during a save + drain, all ways pooled (what a helper process could win back)",
+             f"{statistics.median(stalled['alone']):.1%} / {statistics.median(stalled['during']):.1%}",
+             "", None)]
     for (nice, idle), got in slows.items():
         slow = statistics.median(got)
-        how = "SCHED_IDLE (background_policy \"idle\")" if idle else f"background_nice {nice}"
+        how = "SCHED_IDLE, as \"auto\" within a step" if idle else f"background_nice {nice}"
         rows.append((f"launch-bound loop slowed by a concurrent save + drain (100M state, {how})",
                      f"{slow:+.1%} (median of {', '.join(f'{g:+.1%}' for g in got)})", "<= 5%", slow <= 0.05))
     return rows
+
+
+def _verdict(ok: bool | None) -> str:
+    return "reported" if ok is None else "met" if ok else "**NOT met**"
 
 
 def main() -> None:
@@ -475,7 +524,7 @@ def main() -> None:
     if args.launch_bound_only:
         base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
         for what, got, want, ok in launch_bound_rows(LAUNCH_BOUND_BYTES, base):
-            print(f"| {what} | {got} | {want} | {'met' if ok else '**NOT met**'} |")
+            print(f"| {what} | {got} | {want} | {_verdict(ok)} |")
         shutil.rmtree(base, ignore_errors=True)
         return
     base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
@@ -484,12 +533,14 @@ def main() -> None:
         # RUNS jobs each way, interleaved: a job's own peak RSS moves by up to a tenth from
         # run to run (the least of each way is taken), and the steps' samples are pooled,
         # each against its own run's undisturbed step
-        ons, rss_off, rss_on = [], [], []
+        ons, rss_off, rss_on, busy = [], [], [], []
         for i in range(RUNS):
             rss_off.append(run_job(base / f"{flavor}-off{i}", flavor, tiers=False)[1])
             ons.append(base / f"{flavor}-tiers{i}")
             rss_on.append(run_job(ons[-1], flavor, tiers=True)[1])
+            busy.append(peak_during(ons[-1], base / f"{flavor}-off{i}", MODELS[flavor][3], MODELS[flavor][4]))
         rss_off, rss_on = min(rss_off), min(rss_on)
+        busy_off, busy_on = min(b for b, _ in busy), min(b for _, b in busy)
         commits = [e for w in ons for e in ckpt_events(w, "local_commit")]
         drains = [e for w in ons for e in ckpt_events(w, "pfs_commit")]
         rank_bytes = statistics.median(e["bytes"] for e in commits)
@@ -516,13 +567,14 @@ def main() -> None:
                            f"the staging copies ran on: {copy_threads(ons)}")
         phase_lines.append(f"{name}, where a step's time goes, ms (mean of the ranks' steps): "
                            f"{where_time_goes(ons, MODELS[flavor][3], ranks)}")
-        extra = rss_on - rss_off
+        extra, busy_extra = rss_on - rss_off, busy_on - busy_off
         rows.append(f"| {name} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
                     f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
                     f"{infl.get('all', float('nan')):+.2f} | "
                     f"{infl.get('first_local', float('nan')):+.3f} / {infl.get('first_drain', float('nan')):+.3f} | "
                     f"{drain_s:.2f} s / {bound_s:.2f} s = {drain_s / bound_s:.1f}x | "
                     f"{rss_off / 2**30:.3f} / {rss_on / 2**30:.3f} GiB: {extra / rank_bytes:.2f}x | "
+                    f"{busy_off / 2**30:.3f} / {busy_on / 2**30:.3f} GiB: {busy_extra / rank_bytes:.2f}x | "
                     f"{floor * und * 1e3:.0f} / {save_cpu * 1e3:.0f} / {drain_cpu * 1e3:.0f} ms |")
         for k in ("local", "drain"):
             if k in infl:
@@ -530,8 +582,9 @@ def main() -> None:
                                 f"<= floor {floor:.3f} + 0.03", infl[k] <= floor + 0.03))
         targets.append((f"{name}: drain time / (node bytes / PFS bw)", f"{drain_s / bound_s:.1f}x", "<= 1.5x",
                         drain_s / bound_s <= 1.5))
-        targets.append((f"{name}: extra peak RSS / state bytes", f"{extra / rank_bytes:.2f}x", "<= 1.1x",
-                        extra / rank_bytes <= 1.1))
+        targets.append((f"{name}: extra peak RSS during saves and drains / state bytes",
+                        f"{busy_extra / rank_bytes:.2f}x (whole job: {extra / rank_bytes:.2f}x)", "<= 1.1x",
+                        busy_extra / rank_bytes <= 1.1))
         if flavor == "100M":
             fc = drain_paths(int(rank_bytes), base / "paths")
             probe = (f"A rank's {rank_bytes / 2**20:.0f} MiB (100M) made a PFS step, one idle process, fsync'd, "
@@ -559,12 +612,13 @@ def main() -> None:
         "inflation, local save | inflation, PFS drain | "
         f"a PFS period's extra time in all (its {PFS_EVERY} steps, in steps) | "
         "the layout's first save / first drain (once a job) | "
-        "drain / bound | peak RSS off / on: extra per state byte | "
+        "drain / bound | peak RSS off / on, whole job: extra per state byte | "
+        "the same during saves and drains | "
         "CPU: floor / a save's copy + write / a drain (rank 0) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
         "| target | measured | wanted | met? |", "|---|---|---|---|",
-        *[f"| {w} | {m} | {t} | {'met' if ok else '**NOT met**'} |" for w, m, t, ok in targets],
+        *[f"| {w} | {m} | {t} | {_verdict(ok)} |" for w, m, t, ok in targets],
         "", *[f"- {line}" for line in phase_lines],
         "", "The drain's ways, side by side: " + probe if probe else "",
         "", READING,

@@ -87,12 +87,16 @@ def test_an_idle_thread_is_in_sched_idle_and_so_are_the_threads_it_starts():
 
 
 def _thread_policies() -> dict:
-    """Each of this process's checkpointer threads' scheduling policy, by kernel name."""
-    out = {}
+    """Each of this process's checkpointer threads' scheduling policy, by kernel name;
+    "gloo": the policies of its gloo threads, sorted."""
+    out: dict = {"gloo": []}
     for tid in os.listdir("/proc/self/task"):
         name = open(f"/proc/self/task/{tid}/comm").read().strip()
         if name.startswith("ckpt-"):
             out[name] = os.sched_getscheduler(int(tid))
+        elif "gloo" in name:
+            out["gloo"].append(os.sched_getscheduler(int(tid)))
+    out["gloo"].sort()
     return out
 
 
@@ -124,6 +128,10 @@ def test_the_engine_puts_its_copy_writer_and_drain_where_the_policy_says(tmp_pat
         dist.destroy_process_group()
     want = os.SCHED_IDLE if idle else os.SCHED_OTHER
     assert [policies.get(k) for k in THREADS] == [want] * 3
+    # the commit and drain groups' gloo threads (3 each) with them; the world's and the
+    # training thread's group's stay in the normal class
+    gloo = policies["gloo"]
+    assert gloo.count(os.SCHED_IDLE) == (6 if idle else 0) and gloo.count(os.SCHED_OTHER) >= 6, gloo
 
 
 @LINUX

@@ -10,7 +10,9 @@
                  training loop never waits for it, except in flush() at the last step
                  and close().
 
-The writer and the drain run at background priority (`background_nice`, priority.py).
+The writer and the drain run at background priority (`background_nice`), and with the
+copy in SCHED_IDLE while their work keeps up with training (priority.IdleWhileOnTime:
+the training thread checks once a step, in save()).
 
 A failed save (disk full, permission, I/O error) is logged and counted; training
 goes on and the older checkpoints stay.
@@ -141,10 +143,10 @@ class TieredCheckpointer:
         self._pending_job: _Job | None = None
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
-        self.commit_pg = dist.new_group(backend="gloo")
         self.background = priority.IdleWhileOnTime(s.background_idle)
-        self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self.record_failure,
-                              self._drained, self._info)
+        self.commit_pg = self._background_group()
+        self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self._background_group(),
+                              self.record_failure, self._drained, self._info)
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
         self.policy = policy  # adaptive: sets the intervals; else only compared with them
         # The training thread's own group (interval decisions, preemption agreement):
@@ -171,6 +173,14 @@ class TieredCheckpointer:
         self._copy_q: queue.Queue = queue.Queue()
         self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy",
                                                 idle=self.background)
+
+    def _background_group(self):
+        """A gloo group for background work only: its gloo threads (which move a
+        collective's bytes and wake for its messages) yield to training as the
+        checkpointer's own threads do."""
+        pg, tids = priority.threads_started_by(lambda: dist.new_group(backend="gloo"))
+        self.background.adopt(tids)
+        return pg
 
     def _background(self, target, name: str):
         """A thread on the rank's device, below training's CPU and I/O priority."""

@@ -90,8 +90,9 @@ class Checkpoint:
     commit each step several steps late."""
 
     background_policy: str = "auto"
-    """How the checkpointer's threads (the staging copy, the writer, the drain) yield
-    the CPU to training's. "idle": Linux's SCHED_IDLE while their work is on time, so
+    """How the checkpointer's threads (the staging copy, the writer, the drain, and the
+    gloo threads of their process groups) yield the CPU to training's. "idle": Linux's
+    SCHED_IDLE while their work is on time, so
     they run only on a core training's threads leave free and give it back the moment
     one wakes (on 2 CPU ranks it more than halved what a local save cost debugmodel's
     steps, BENCHMARKS.md); a save or a drain in flight through a whole training step

@@ -16,7 +16,6 @@ import threading
 import time
 from typing import Callable
 
-import torch.distributed as dist
 
 from titan_ckpt_plus import faults
 from titan_ckpt_plus.telemetry import PhaseClock
@@ -81,11 +80,11 @@ class PfsDrain:
     and what to do with a step once its drain is over (drop an uncommitted one, free
     the staging buffer it held)."""
 
-    def __init__(self, local: LocalTier, pfs: PfsTier, stats, events, start_thread: Callable,
+    def __init__(self, local: LocalTier, pfs: PfsTier, stats, events, start_thread: Callable, pg,
                  failed: Callable, done: Callable, info: Callable) -> None:
         self.local, self.pfs, self.stats, self.events = local, pfs, stats, events
         self._failed, self._done, self._info = failed, done, info
-        self.pg = dist.new_group(backend="gloo")
+        self.pg = pg  # its own gloo group: its collectives never interleave with others'
         self.steps: set[int] = set()  # queued or in flight: retention keeps them
         self.last_seconds = 0.0
         self._q: queue.Queue = queue.Queue()

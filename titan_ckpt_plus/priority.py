@@ -111,6 +111,17 @@ class IdleWhileOnTime:
             self._tids.append(tid)
             set_class(tid, idle=not self.promoted)
 
+    def adopt(self, tids) -> None:
+        """Threads started elsewhere for the checkpointer's work (a background process
+        group's gloo threads): they move with its own threads. They live as long as the
+        process."""
+        if not self.enabled:
+            return
+        with self._lock:
+            for tid in tids:
+                self._tids.append(tid)
+                set_class(tid, idle=not self.promoted)
+
     def leave(self) -> None:
         """On a checkpointer thread, as it ends: its tid may be reused elsewhere."""
         with self._lock:
@@ -148,6 +159,18 @@ class IdleWhileOnTime:
             self.promoted = promoted
             for tid in self._tids if self.enabled else ():
                 set_class(tid, idle=not promoted)
+
+
+def threads_started_by(fn):
+    """(fn(), the native ids of the threads of this process that appeared meanwhile):
+    a gloo process group starts its own (a TCP loop and two workers) when made."""
+    before = set(_tids())
+    out = fn()
+    return out, sorted(set(_tids()) - before)
+
+
+def _tids() -> list[int]:
+    return [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else []
 
 
 def name_this_thread(name: str) -> None:

@@ -31,7 +31,7 @@ from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
 from titan_ckpt_plus.policy.ledger import FAILURE_CLASSES, FailureLedger
 from titan_ckpt_plus.policy.schedule import IntervalPolicy
 from titan_ckpt_plus.staging import copy_into
-from titan_ckpt_plus.telemetry import EventLog
+from titan_ckpt_plus.telemetry import EventLog, peak_rss_since_last
 from titan_ckpt_plus.tiers.files import atomic_write_json
 from titan_ckpt_plus.tiers.local import JobLock, claim_job_dir, job_dir, node_jobs
 from titan_ckpt_plus.tiers.pfs import PfsTier, describe
@@ -490,7 +490,8 @@ def _record_losses(path: str | None, sched_path: str | None = None) -> None:
     the TITAN_CKPT_LOSS_LOG environment variable, for stock and tiered runs alike.
     Written by torchtitan's metrics rank (rank 0, or the last pipeline stage's).
     Benchmark hook: with TITAN_CKPT_SCHED_LOG too, every rank appends its threads'
-    scheduler counters at each logged step to `<that path>.<rank>`."""
+    scheduler counters and its peak RSS since the previous logged step to
+    `<that path>.<rank>`."""
     if not path:
         return
     from torchtitan.components import metrics
@@ -506,7 +507,7 @@ def _record_losses(path: str | None, sched_path: str | None = None) -> None:
         if sched_path:
             if not sched:
                 sched.append(EventLog(f"{sched_path}.{dist.get_rank()}"))
-            sched[0].record("sched", step=step, threads=priority.thread_times())
+            sched[0].record("sched", step=step, threads=priority.thread_times(), peak_rss=peak_rss_since_last())
             sched[0].flush()
         return original(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
 
