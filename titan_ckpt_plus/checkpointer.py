@@ -162,7 +162,7 @@ class TieredCheckpointer:
         self.placement = placement if placement and placement.factor > 0 else None
         if self.placement is not None:
             nccl = s.replication_backend == "nccl"
-            self.wire = Wire(dist.new_group(backend=s.replication_backend),
+            self.wire = Wire(self._background_group(s.replication_backend),
                              device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
         self._write_q: queue.Queue = queue.Queue()
         self._writer = self._background(self._writer_loop, "ckpt-local-writer")
@@ -174,12 +174,13 @@ class TieredCheckpointer:
         self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy",
                                                 idle=self.background)
 
-    def _background_group(self):
-        """A gloo group for background work only: its gloo threads (which move a
-        collective's bytes and wake for its messages) yield to training as the
-        checkpointer's own threads do."""
-        pg, tids = priority.threads_started_by(lambda: dist.new_group(backend="gloo"))
-        self.background.adopt(tids)
+    def _background_group(self, backend: str = "gloo"):
+        """A process group for background work only (the vote, the drain, replication):
+        its gloo threads, which move a collective's bytes and wake for its messages,
+        yield to training as the checkpointer's own threads do. NCCL's run on the GPU."""
+        pg, tids = priority.threads_started_by(lambda: dist.new_group(backend=backend))
+        if backend == "gloo":
+            self.background.adopt(tids)
         return pg
 
     def _background(self, target, name: str):
