@@ -144,6 +144,43 @@ def test_a_second_process_of_one_job_on_a_node_is_refused_while_the_first_holds_
     lock.release()
 
 
+def test_a_restart_clears_a_killed_incarnations_torn_files_and_starts_on_a_full_disk(tmp_path, monkeypatch):
+    """A SIGKILL mid-write leaves `<name>.tmp<pid>` files: removed once the restart holds
+    the lock (they are never read). On a disk too full for a new JOB.json the same
+    job's record stays and the job starts; another job's record is not taken over."""
+    import errno
+
+    from titan_ckpt_plus.tiers import files, local
+
+    folder = job_dir(str(tmp_path), "20260101-000000-abcdef01")
+    os.makedirs(os.path.join(folder, "step-4"))
+    torn = [os.path.join(folder, "step-4", "rank-00001.data.tmp4242"), os.path.join(folder, "JOB.json.tmp4242")]
+    kept = [os.path.join(folder, "step-4", "rank-00000.data"), os.path.join(folder, "step-4", "rank-00000.json")]
+    for p in torn + kept:
+        open(p, "wb").write(b"x" * 100)
+    mine = {"job_id": "20260101-000000-abcdef01", "dump_folder": "/d"}
+    open(os.path.join(folder, JOB_RECORD), "w").write(json.dumps(mine))
+
+    def full(path, obj):
+        open(path + ".tmp999", "wb").write(b"{")  # a write cut short by the full disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_room(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "atomic_write_json", full)
+    monkeypatch.setattr(local.os, "pwrite", no_room)  # not even the lock's holder line fits
+    lock, why = claim_job_dir(folder, dict(mine, pid=2))
+    assert lock is not None and not why
+    assert [os.path.exists(p) for p in torn + kept] == [False, False, True, True]
+    assert sorted(os.listdir(folder)) == [".lock", JOB_RECORD, "step-4"]
+    assert json.loads(open(os.path.join(folder, JOB_RECORD)).read()) == mine
+    lock.release()
+    lock, why = claim_job_dir(folder, {"job_id": "20270101-000000-0ther0b0", "dump_folder": "/e"})
+    assert lock is None and "No space left" in why
+    assert local.remove_torn(folder) == []
+
+
 def test_identity_imports_no_torch():
     run_without_torch("import titan_ckpt_plus.identity, titan_ckpt_plus.tiers.local")
 

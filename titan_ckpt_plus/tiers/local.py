@@ -23,12 +23,15 @@ written before job identities existed: no job loads them.
 """
 
 import fcntl
+import logging
 import os
 import shutil
 import time
 from dataclasses import dataclass
 
 from titan_ckpt_plus.tiers import files
+
+log = logging.getLogger("titan_ckpt_plus")
 
 COMMIT = "COMMIT.json"
 JOB_PREFIX = "job-"
@@ -84,8 +87,11 @@ class JobLock:
             if _same_file(self.path, fd):
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        try:  # who holds it, for tools: not worth refusing a restart on a full disk
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}".encode(), 0)
+        except OSError:
+            pass
         self._fd = fd
         if not self._fork_hook:  # a forked child (a dataloader worker) must not keep it
             os.register_at_fork(after_in_child=self._forget)
@@ -122,7 +128,8 @@ def claim_job_dir(folder: str, record: dict, wait_s: float = 30.0) -> tuple[JobL
     try:
         who = lock.acquire(wait_s)
         if not who:
-            files.atomic_write_json(os.path.join(folder, JOB_RECORD), record)
+            remove_torn(folder)
+            _write_record(folder, record)
             return lock, ""
     except OSError as e:
         lock.release()
@@ -132,6 +139,39 @@ def claim_job_dir(folder: str, record: dict, wait_s: float = 30.0) -> tuple[JobL
                   "incarnations of one job, or two nodes given one local folder, cannot "
                   "share it. Fix: stop the other one, or put {node_rank} in "
                   "[checkpoint] local_folder so every node has its own")
+
+
+def remove_torn(folder: str) -> list[str]:
+    """With the job's lock held, before anything is written: a killed incarnation's
+    half-written files (`<name>.tmp<pid>`, never renamed into place, never read).
+    They would only fill the disk, and on a full one keep this incarnation from
+    starting. Returns what was removed."""
+    gone = []
+    for d in [folder, *(os.path.join(folder, f"step-{s}") for s in steps_in(folder))]:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            if ".tmp" in n and n.rpartition(".tmp")[2].isdigit():
+                os.remove(os.path.join(d, n))
+                gone.append(os.path.join(d, n))
+    return gone
+
+
+def _write_record(folder: str, record: dict) -> None:
+    """JOB.json, for tools. A restart of the same job on a disk too full for a new one
+    keeps the record there (it names the job already): the lock, not the record, is
+    what keeps another process out, and recovery may still use the disk's steps."""
+    path = os.path.join(folder, JOB_RECORD)
+    try:
+        files.atomic_write_json(path, record)
+    except OSError as e:
+        remove_torn(folder)
+        old, _ = _record(folder)
+        if old.get("job_id") != record.get("job_id"):
+            raise
+        log.warning(f"[titan_ckpt_plus] could not update {path} ({e!r}); the job's earlier record stays")
 
 
 def lock_holder(folder: str) -> str:
