@@ -96,7 +96,9 @@ or a drain still in flight when its step ends brings them back to the normal cla
 "normal" row: nice 0 throughout, side by side). SCHED_IDLE without that check starved a
 pipeline-parallel job's commit past a kill; with it those jobs pass. The gloo threads of the
 vote's and the drain's process groups move with them: 4 interleaved jobs each way, local step
-+0.041 / +0.084 with those threads left normal, drain step +0.097 / +0.128. On
++0.041 / +0.084 with those threads left normal, drain step +0.097 / +0.128. The local writer
+stays in the normal class: in SCHED_IDLE its commits came 61 ms after their saves against 51
+(4 of 4 interleaved pairs), the steps the same within the noise (local +0.044 / +0.050). On
 debugmodel, 4 interleaved jobs each way: local step +0.070 / +0.076 (normal), drain step
 +0.146 / +0.200, a local commit 75 / 58 ms after its save. On 100M, 2 each way: local +0.19 /
 +0.29, drain +0.15 / +0.13; its undisturbed step moves by a third within the hour. Local

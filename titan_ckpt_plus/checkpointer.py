@@ -10,9 +10,10 @@
                  training loop never waits for it, except in flush() at the last step
                  and close().
 
-The writer and the drain run at background priority (`background_nice`), and with the
-copy in SCHED_IDLE while their work keeps up with training (priority.IdleWhileOnTime:
-the training thread checks once a step, in save()).
+The writer and the drain run at background priority (`background_nice`); the copy and
+the drain, with the background groups' gloo threads, in SCHED_IDLE while the work keeps
+up with training (priority.IdleWhileOnTime: the training thread checks once a step, in
+save()).
 
 A failed save (disk full, permission, I/O error) is logged and counted; training
 goes on and the older checkpoints stay.
@@ -165,7 +166,11 @@ class TieredCheckpointer:
             self.wire = Wire(self._background_group(s.replication_backend),
                              device=torch.device("cuda", torch.cuda.current_device()) if nccl else None)
         self._write_q: queue.Queue = queue.Queue()
-        self._writer = self._background(self._writer_loop, "ckpt-local-writer")
+        # In the normal class (at background_nice) throughout: its few ms of CPU a save
+        # (O_DIRECT submissions, fsyncs, the vote) decide when the step is durable; in
+        # SCHED_IDLE a commit came 10 ms later on debugmodel, for no step time saved
+        # (BENCHMARKS.md, overhead).
+        self._writer = self._background(self._writer_loop, "ckpt-local-writer", idle=False)
         # One copy thread for the job, at training's nice value (training waits for its
         # copy before optimizer.step()), in SCHED_IDLE where the others are: training
         # blocked on it leaves it a core. A thread started per save made save() wait
@@ -183,10 +188,11 @@ class TieredCheckpointer:
             self.background.adopt(tids)
         return pg
 
-    def _background(self, target, name: str):
-        """A thread on the rank's device, below training's CPU and I/O priority."""
+    def _background(self, target, name: str, idle: bool = True):
+        """A thread on the rank's device, below training's CPU and I/O priority; with
+        `idle`, in SCHED_IDLE while the work is on time."""
         return self.device.start_thread(target, name, nice=self.s.background_nice,
-                                        idle=self.background)
+                                        idle=self.background if idle else None)
 
     # ---- training-thread side -------------------------------------------------
 

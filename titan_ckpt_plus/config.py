@@ -90,17 +90,18 @@ class Checkpoint:
     commit each step several steps late."""
 
     background_policy: str = "auto"
-    """How the checkpointer's threads (the staging copy, the writer, the drain, and the
-    gloo threads of their process groups) yield the CPU to training's. "idle": Linux's
-    SCHED_IDLE while their work is on time, so
-    they run only on a core training's threads leave free and give it back the moment
-    one wakes (on 2 CPU ranks it more than halved what a local save cost debugmodel's
-    steps, BENCHMARKS.md); a save or a drain in flight through a whole training step
-    brings them back to the normal class until it is done, so where training leaves
-    no core idle (pipeline parallel on CPU) a failure loses no more work than at
-    normal priority. Coming back needs CAP_SYS_NICE or RLIMIT_NICE >= 20 (root in
-    most containers); without it "idle" is refused with a warning and the threads
-    stay normal. "normal": the scheduler's normal class, the writer and the drain at
+    """How the checkpointer's CPU-heavy background work (the staging copy, the drain, and
+    the gloo threads of the vote's, the drain's and replication's process groups) yields
+    the CPU to training's. "idle": Linux's SCHED_IDLE while the work is on time, so it
+    runs only on a core training's threads leave free and gives it back the moment one
+    wakes (BENCHMARKS.md, overhead: the "normal" row beside the default ones); a save or
+    a drain still in flight when the step it began in ends brings it back to the normal
+    class until nothing is in flight, so where training leaves no core idle (pipeline
+    parallel on CPU) a commit comes at most about a step later than at normal priority.
+    The local writer stays in the normal class: its few ms of CPU a save decide when the
+    step is durable. Coming back needs CAP_SYS_NICE or RLIMIT_NICE >= 20 (root in most
+    containers); without it "idle" is refused with a warning and the threads stay
+    normal. "normal": the scheduler's normal class, the writer and the drain at
     background_nice. "auto" (the default): "idle" where the threads may come back,
     else "normal"."""
 

@@ -78,8 +78,9 @@ def can_leave_idle() -> bool:
 
 
 class IdleWhileOnTime:
-    """The checkpointer's threads in SCHED_IDLE while their work keeps up with
-    training, back in the normal class (at their nice value) while some of it is late.
+    """The checkpointer's CPU-heavy threads (the staging copy, the drain, the background
+    groups' gloo threads) in SCHED_IDLE while the work keeps up with training, back in
+    the normal class (at their nice value) while some of it is late.
 
     SCHED_IDLE gives a core back the moment a training or gloo thread wakes: on 2 CPU
     ranks it cut what a local save cost debugmodel's steps by half or more. But where
