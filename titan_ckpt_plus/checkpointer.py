@@ -68,7 +68,7 @@ class TierSettings:
     prefer_copy_in_save: bool = False
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
-    background_idle: bool = False  # the copy, the writer and the drain in SCHED_IDLE while on time
+    background_idle: bool = False  # the copy, the drain, background gloo threads: SCHED_IDLE while on time
 
     @property
     def layout_tag(self) -> dict:
@@ -631,6 +631,7 @@ class TieredCheckpointer:
         return ok
 
     def _drain(self, job: _Job) -> None:
+        """Hand a step to the drain; late once the step it is handed over in ends."""
         self.background.begin(("drain", job.step))
         self.drain.submit(job)
 

@@ -16,7 +16,6 @@ import threading
 import time
 from typing import Callable
 
-
 from titan_ckpt_plus import faults
 from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
