@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -88,7 +89,17 @@ def test_an_idle_thread_is_in_sched_idle_and_so_are_the_threads_it_starts():
 
 def _thread_policies() -> dict:
     """Each of this process's checkpointer threads' scheduling policy, by kernel name;
-    "gloo": the policies of its gloo threads, sorted."""
+    "gloo": the policies of its gloo threads, sorted. A thread names itself (and sets
+    its class) as it starts: wait until the engine's three have."""
+    deadline = time.monotonic() + 5
+    while True:
+        out = _policies_now()
+        if all(k in out for k in THREADS) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.01)
+
+
+def _policies_now() -> dict:
     out: dict = {"gloo": []}
     for tid in os.listdir("/proc/self/task"):
         name = open(f"/proc/self/task/{tid}/comm").read().strip()
@@ -208,6 +219,30 @@ def test_without_cap_sys_nice_a_thread_cannot_leave_sched_idle_and_the_probe_say
                           "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False"]
     assert priority.can_leave_idle() is True  # root here, with CAP_SYS_NICE
+
+
+@pytest.mark.e2e
+@LINUX
+def test_unprivileged_idle_is_refused_at_start_with_the_fix_and_the_job_runs_normal(tmp_path, monkeypatch):
+    """A job without CAP_SYS_NICE (a container's default) asking for "idle" gets a
+    startup warning naming the fix, and its threads stay in the normal class; "auto"
+    says why it is not SCHED_IDLE. Both train and save."""
+    import shutil
+
+    import harness
+
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to drop CAP_SYS_NICE")
+    monkeypatch.setattr(harness, "LAUNCH", [setpriv, "--inh-caps=-sys_nice", "--bounding-set=-sys_nice",
+                                            *harness.LAUNCH])
+    for policy, said in (("idle", 'background_policy = "idle" cannot be honoured'),
+                         ("auto", "not SCHED_IDLE: a late thread could not leave it, no CAP_SYS_NICE")):
+        proc = harness.torchrun(tmp_path / policy, "--training.steps", "4",
+                                f"--checkpoint.background_policy={policy}")
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert said in proc.stdout and "Fix:" in proc.stdout if policy == "idle" else said in proc.stdout
+        assert [e["step"] for e in harness.ckpt_events(tmp_path / policy, "local_commit")] == [2, 4]
 
 
 def test_work_still_in_flight_when_its_step_ends_is_late_until_none_is():

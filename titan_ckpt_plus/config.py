@@ -101,9 +101,9 @@ class Checkpoint:
     class until nothing is in flight, so where training leaves no core idle (pipeline
     parallel on CPU) a commit comes at most about a step later than at normal priority.
     The local writer stays in the normal class: its few ms of CPU a save decide when the
-    step is durable. Coming back needs CAP_SYS_NICE or RLIMIT_NICE >= 20 (root in most
-    containers); without it "idle" is refused with a warning and the threads stay
-    normal. "normal": the scheduler's normal class, the writer and the drain at
+    step is durable. Coming back needs CAP_SYS_NICE (root on a bare node; a container
+    only with --cap-add SYS_NICE) or RLIMIT_NICE >= 20; without it "idle" is refused
+    with a warning and the threads stay normal. "normal": the scheduler's normal class, the writer and the drain at
     background_nice. "auto" (the default): "idle" where the threads may come back,
     else "normal"."""
 

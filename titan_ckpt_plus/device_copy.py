@@ -109,10 +109,10 @@ class Device:
         return t
 
     def _run(self, target, nice: int, idle: priority.IdleWhileOnTime | None, *args) -> None:
-        priority.name_this_thread(threading.current_thread().name)
         priority.lower_this_thread(nice)
         if idle is not None:
             idle.enter()
+        priority.name_this_thread(threading.current_thread().name)  # last: the kernel's name says it is set up
         try:
             self._on_device(target, *args)
         finally:

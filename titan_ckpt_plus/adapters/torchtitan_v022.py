@@ -116,12 +116,15 @@ class TieredCheckpointManager(_StockManager):
                     f"{settings.pfs_interval} steps; its threads "
                     + ("in SCHED_IDLE while on time" if settings.background_idle
                        else f"at nice +{settings.background_nice}")
-                    + f" (background_policy {policy_key!r})")
+                    + f" (background_policy {policy_key!r}"
+                    + ("; not SCHED_IDLE: a late thread could not leave it, no CAP_SYS_NICE)"
+                       if policy_key == "auto" and not settings.background_idle else ")"))
         if policy_key == "idle" and not settings.background_idle:
             logger.warning('[titan_ckpt_plus] [checkpoint] background_policy = "idle" cannot be honoured: '
                            "a thread in SCHED_IDLE could not come back when its work is late (needs "
                            "CAP_SYS_NICE or RLIMIT_NICE >= 20). The threads stay in the normal class. Fix: "
-                           'raise the limit (ulimit -e 20, limits.conf "nice"), or set "normal" or "auto".')
+                           'grant CAP_SYS_NICE (a container: --cap-add SYS_NICE) or raise RLIMIT_NICE to 20 '
+                           '(limits.conf "nice"), or set "normal" or "auto".')
 
     @staticmethod
     def _placement(ckpt, world: int) -> ReplicaPlacement | None:
