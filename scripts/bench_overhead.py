@@ -459,7 +459,7 @@ def write_paths(nbytes: int, folder: Path, reps: int = 7) -> dict:
     """A rank's part written durably the local tier's two ways, alternating, 0.4 s
     apart (this disk's speed moves within seconds), in one idle process: into a new
     file, the previous one deleted after (as retention did), and over a retired file
-    (LocalTier._retire: what a save does now). Medians; both through the local
+    (files.retire: what a save does now). Medians; both through the local
     writer's own DurableBatch, O_DIRECT from the page-aligned staging buffer."""
     from titan_ckpt_plus.staging import HostBuffer
 
@@ -524,6 +524,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--launch-bound-only", action="store_true",
                     help="only the launch-bound rows, with 100M's state per rank, printed")
+    ap.add_argument("--jobs-only", action="store_true",
+                    help="the jobs' rows only, without 100M's probes and launch-bound rows (A/B runs)")
     args = ap.parse_args()
     if args.launch_bound_only:
         base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
@@ -576,7 +578,7 @@ def main() -> None:
                     f"{infl.get('local', float('nan')):+.3f} | {infl.get('drain', float('nan')):+.3f} | "
                     f"{infl.get('all', float('nan')):+.2f} | "
                     f"{infl.get('first_local', float('nan')):+.3f} / {infl.get('first_drain', float('nan')):+.3f} | "
-                    f"{drain_s:.2f} s / {bound_s:.2f} s = {drain_s / bound_s:.1f}x | "
+                    f"{drain_s:.3f} s / {bound_s:.3f} s = {drain_s / bound_s:.1f}x | "
                     f"{rss_off / 2**30:.3f} / {rss_on / 2**30:.3f} GiB: {extra / rank_bytes:.2f}x | "
                     f"{busy_off / 2**30:.3f} / {busy_on / 2**30:.3f} GiB: {busy_extra / rank_bytes:.2f}x | "
                     f"{floor * und * 1e3:.0f} / {save_cpu * 1e3:.0f} / {drain_cpu * 1e3:.0f} ms |")
@@ -589,7 +591,7 @@ def main() -> None:
         targets.append((f"{name}: extra peak RSS during saves and drains / state bytes",
                         f"{busy_extra / rank_bytes:.2f}x (whole job: {extra / rank_bytes:.2f}x)", "<= 1.1x",
                         busy_extra / rank_bytes <= 1.1))
-        if flavor == "100M":
+        if flavor == "100M" and not args.jobs_only:
             fc = drain_paths(int(rank_bytes), base / "paths")
             probe = (f"A rank's {rank_bytes / 2**20:.0f} MiB (100M) made a PFS step, one idle process, fsync'd, "
                      f"best of 3: `dcp.save` {fc['dcp_save_s']:.2f} s; the drain's copy of the framed local part "

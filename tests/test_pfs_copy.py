@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_ckpt_plus import staging
+from titan_ckpt_plus import inspect, staging
 from titan_ckpt_plus.drain import PartSource, StagedBytes
 from titan_ckpt_plus.tiers import files, pfs as pfs_mod
 from titan_ckpt_plus.tiers.local import LocalTier
@@ -303,3 +303,38 @@ def test_a_drain_times_its_phases(pg, tmp_path):
         seen.append(set(clock.phases))
     assert seen[0] == {"clear", "items", "copy", "small_items", "dcp_save"}
     assert seen[1] == {"clear", "items", "copy", "small_items", "gather", "metadata"}
+
+
+def test_a_purged_steps_data_file_is_written_over_by_the_next_drain(pg, tmp_path):
+    """PFS retention retires a step's data file to the job's spare instead of deleting
+    it; the rank's next drain writes into it (no new file's extents to allocate), cut to
+    the new step's size: the step verifies and loads. The spares go at the job's end."""
+    local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
+    pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 1, job_id="J")
+    big = dict(_state(4), extra=torch.randn(1 << 20))  # a longer part than the next ones
+    layout, specs, _ = _stage_and_write(local, 4, big)
+    _drain(pfs, local, 4, layout, specs, pg)
+    first = os.stat(tmp_path / "pfs" / "step-4" / "__0_0.distcp")
+    inode = first.st_ino
+    for step in (5, 6):
+        layout, specs, _ = _stage_and_write(local, step, _state(step))
+        _drain(pfs, local, step, layout, specs, pg)
+        assert pfs.purge() == [step - 1] and pfs.steps() == [step]
+        if step == 5:
+            spare = pfs._spare(0)
+            assert os.stat(spare).st_ino == inode and os.path.getsize(spare) == first.st_size  # whole
+            inode = os.stat(tmp_path / "pfs" / "step-5" / "__0_0.distcp").st_ino
+    data = tmp_path / "pfs" / "step-6" / "__0_0.distcp"
+    assert os.stat(data).st_ino == first.st_ino  # 6 wrote over 4's file; 5's is the spare now
+    assert os.stat(pfs._spare(0)).st_ino == inode
+    assert os.path.getsize(data) < first.st_size - (4 << 20) and pfs.verify(6, pg) == (True, "")
+    back = _zeros_like(_state(9))
+    dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / "step-6"), process_group=pg)
+    _check_equal(back, _state(6))
+    assert sorted(os.listdir(tmp_path / "pfs")) == [".spare", "step-6"]  # stock torchtitan sees step-6
+    _, notes = inspect.list_steps(str(tmp_path))  # titan-ckpt ls names the bytes held there
+    spare_mib = os.path.getsize(pfs._spare(0)) / 2**20
+    assert f"PFS folder {tmp_path / 'pfs'}; {spare_mib:.1f} MiB of retired data files in .spare, " \
+           "for the next drains" in notes
+    pfs.release_spares()
+    assert sorted(os.listdir(tmp_path / "pfs")) == ["step-6"]

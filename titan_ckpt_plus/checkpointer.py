@@ -412,6 +412,7 @@ class TieredCheckpointer:
         self._write_q.put(None)
         self._writer.join()
         self.drain.close()
+        self.pfs.release_spares()
 
     def recover(self) -> Recovery:
         """Collective: agree on the newest checkpoint every rank can load, fetch

@@ -31,7 +31,7 @@ class Checkpoint:
     local_keep_latest_k: int = 3
     """Committed local steps kept per node; at least 2, as the newest may be in use.
     The node disk also holds one retired data file per rank, which the rank's next
-    save writes over instead of making a new file (LocalTier._retire)."""
+    save writes over instead of making a new file (files.retire)."""
 
     replication_factor: int = 0
     """How many other nodes hold a copy of each rank's local part (0 = off). A local

@@ -230,9 +230,16 @@ def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[
     if not pfs:
         notes.append(f"no PFS steps under {dump_folder}")
     for folder in pfs:
-        notes.append(f"PFS folder {folder}")
+        notes.append(f"PFS folder {folder}{_spares(folder)}")
         steps += [pfs_step(folder, s, d) for s, d in _step_dirs(folder)]
     return steps, notes
+
+
+def _spares(folder: str) -> str:
+    """What a PFS folder's .spare holds: purged steps' data files, which the job's
+    next drains write over (tiers/pfs.py, PfsTier._spare), removed at its end."""
+    size, _ = tree_size(os.path.join(folder, files.SPARE))
+    return f"; {human_bytes(size)} of retired data files in {files.SPARE}, for the next drains" if size else ""
 
 
 def human_age(seconds: float) -> str:

@@ -17,6 +17,7 @@ import crc32c
 CHUNK = 16 << 20
 FIRST_CHUNK = 4 << 20  # see _chunks
 PAGE = 4096  # O_DIRECT needs page-aligned memory, offsets and sizes
+SPARE = ".spare"  # where retention retires data files for the next write (retire())
 
 
 class CorruptCheckpoint(Exception):
@@ -145,19 +146,37 @@ def address(view: memoryview) -> int | None:
         return None
 
 
+def retire(path: str, spare: str) -> None:
+    """A data file retention no longer keeps becomes `spare`, written over by the
+    next save instead of deleted and made anew: its blocks stay allocated, so that
+    write neither allocates nor converts extents, and no delete (with the file
+    system's discard, a TRIM of every freed block) loads the disk (BENCHMARKS.md,
+    save and overhead). One spare per writer: deleted when one waits already."""
+    if os.path.exists(spare):
+        os.remove(path)
+        return
+    os.makedirs(os.path.dirname(spare), exist_ok=True)
+    os.rename(path, spare)
+
+
+def _write_flags(path: str, reuse: str | None) -> int:
+    """Open flags for a new file at `path`, or for `reuse` (a spare: retire())
+    moved there and written over, if it is there."""
+    if reuse is not None:
+        try:
+            os.rename(reuse, path)
+            return os.O_WRONLY | os.O_CREAT
+        except OSError:  # none to reuse (the first saves, another file system)
+            pass
+    return os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
 def _open_for_write(path: str, view: memoryview, reuse: str | None = None) -> tuple[int, bool]:
     """(fd, direct): O_DIRECT when the buffer is page-aligned and the file system
     takes it (tmpfs does not). Direct writes skip the page-cache copy, so a save
     costs the training ranks' cores almost nothing; the bytes go from the staging
-    buffer to the disk. `reuse`: a retired file to write over instead of a new one
-    (see LocalTier._retire), taken if it is there; its blocks are allocated already."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if reuse is not None:
-        try:
-            os.rename(reuse, path)
-            flags &= ~os.O_TRUNC
-        except OSError:  # none to reuse (the first saves, another file system)
-            pass
+    buffer to the disk. `reuse`: a spare to write over (_write_flags)."""
+    flags = _write_flags(path, reuse)
     addr = address(view) if len(view) >= 1 << 20 else None
     if addr is not None and addr % PAGE == 0 and hasattr(os, "O_DIRECT"):
         try:
@@ -260,10 +279,10 @@ class Appender:
     after that (the last partial page, small records); its size and CRC-32C kept on
     the way (`crc=False` for pieces whose checksum the caller already knows);
     fsync'd, its pages dropped from the cache and closed at the end of the `with`
-    block."""
+    block. `reuse`: a spare to write over (_write_flags)."""
 
-    def __init__(self, path: str) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    def __init__(self, path: str, reuse: str | None = None) -> None:
+        flags = _write_flags(path, reuse)
         self.direct = hasattr(os, "O_DIRECT")
         try:
             self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
@@ -286,6 +305,8 @@ class Appender:
     def __exit__(self, exc_type, *_) -> None:
         try:
             if exc_type is None:
+                if os.fstat(self.fd).st_size > self.size:  # a spare that was longer
+                    os.ftruncate(self.fd, self.size)
                 os.fsync(self.fd)
                 if hasattr(os, "posix_fadvise"):  # written and durable: no need to cache it
                     os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)

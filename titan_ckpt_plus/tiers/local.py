@@ -4,7 +4,7 @@ one subfolder per job, one part per rank per step.
     <local_folder>/job-<id>/JOB.json    the job's identity and where its dump folder is
                            .lock        held by the node's first rank while it runs
                            .spare/rank-00003.data    a retired data file, written over by the
-                                                     rank's next save (LocalTier._retire)
+                                                     rank's next save (files.retire)
                            step-N/rank-00003.data    the rank's staged buffer: its tensors in
                                                      DCP's per-rank file form (staging.py)
                                   rank-00003.layout  where each tensor lives in it (plain pickle)
@@ -37,7 +37,6 @@ COMMIT = "COMMIT.json"
 JOB_PREFIX = "job-"
 JOB_RECORD = "JOB.json"
 LOCK = ".lock"
-SPARE = ".spare"
 
 
 def part_matches(m: dict | None, rank: int, step: int, job_id: str, world_size: int,
@@ -459,21 +458,9 @@ class LocalTier:
         return m
 
     def _spare(self, rank: int) -> str:
-        return os.path.join(self.root, SPARE, f"rank-{rank:05d}.data")
-
-    def _retire(self, path: str, rank: int) -> None:
-        """A data file retention no longer keeps becomes the rank's spare, written
-        over by its next save instead of deleted and made anew: its blocks stay
-        allocated, so that write neither allocates nor converts extents, and no delete
-        (with the file system's discard, a TRIM of every freed block) loads the disk
-        (BENCHMARKS.md, save). One spare per rank: the disk holds one more part at
-        rest, and no more while a step is written."""
-        spare = self._spare(rank)
-        if os.path.exists(spare):
-            os.remove(path)
-            return
-        os.makedirs(os.path.dirname(spare), exist_ok=True)
-        os.rename(path, spare)
+        """Where retention retires the rank's data files (files.retire): the disk
+        holds one more part per rank at rest, and no more while a step is written."""
+        return os.path.join(self.root, files.SPARE, f"rank-{rank:05d}.data")
 
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)
@@ -484,7 +471,7 @@ class LocalTier:
                 p = self._part(s, suffix, r)
                 if os.path.exists(p):
                     if suffix == "data":
-                        self._retire(p, r)
+                        files.retire(p, self._spare(r))
                     else:
                         os.remove(p)
         try:
