@@ -338,3 +338,17 @@ def test_a_purged_steps_data_file_is_written_over_by_the_next_drain(pg, tmp_path
            "for the next drains" in notes
     pfs.release_spares()
     assert sorted(os.listdir(tmp_path / "pfs")) == ["step-6"]
+
+
+
+def test_with_pfs_reuse_files_off_a_purged_step_is_deleted_whole(pg, tmp_path):
+    """[checkpoint] pfs_reuse_files = false (a tight PFS quota): no spare is kept, the
+    next drain makes a new file, and nothing is left beside the kept steps."""
+    local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
+    pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 1, job_id="J", reuse_files=False)
+    for step in (4, 5, 6):
+        layout, specs, _ = _stage_and_write(local, step, _state(step))
+        _drain(pfs, local, step, layout, specs, pg)
+        pfs.purge()
+    assert pfs.steps() == [6] and sorted(os.listdir(tmp_path / "pfs")) == ["step-6"]
+    assert pfs.verify(6, pg) == (True, "")

@@ -67,6 +67,7 @@ class TierSettings:
     # is a must, this a preference.
     prefer_copy_in_save: bool = False
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
+    pfs_reuse_files: bool = True  # purged PFS data files are written over by the next drain
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
     background_idle: bool = False  # the copy, the drain, background gloo threads: SCHED_IDLE while on time
 
@@ -127,7 +128,8 @@ class TieredCheckpointer:
         self.events = events
         self.local = LocalTier(s.local_root, s.rank, s.world_size, s.first_on_node, s.local_keep,
                                s.job_id)
-        self.pfs = PfsTier(s.pfs_folder, s.rank, s.world_size, s.pfs_keep, s.job_id)
+        self.pfs = PfsTier(s.pfs_folder, s.rank, s.world_size, s.pfs_keep, s.job_id,
+                           reuse_files=s.pfs_reuse_files)
         self.stats = SaveStats()
         # Per-save figures once per job, not once per rank; warnings stay on every rank.
         self._info = log.info if s.rank == 0 else (lambda *_: None)

@@ -33,6 +33,14 @@ class Checkpoint:
     The node disk also holds one retired data file per rank, which the rank's next
     save writes over instead of making a new file (files.retire)."""
 
+    pfs_reuse_files: bool = True
+    """PFS retention (keep_latest_k) retires a purged step's data files, one per rank,
+    to `{folder}/.spare/<job id>/` for the rank's next drain to write over instead of
+    deleting them: no new file's extents to allocate, no delete's TRIMs while training
+    writes (BENCHMARKS.md, overhead). The PFS then holds one more part per rank while
+    the job runs; rank 0 removes them when it ends. false deletes them at once (a tight
+    PFS quota)."""
+
     replication_factor: int = 0
     """How many other nodes hold a copy of each rank's local part (0 = off). A local
     step commits only when its copies are durable too."""

@@ -74,6 +74,7 @@ class TieredCheckpointManager(_StockManager):
             pfs_interval=checkpoint_config.interval,
             local_keep=checkpoint_config.local_keep_latest_k,
             pfs_keep=checkpoint_config.keep_latest_k,
+            pfs_reuse_files=checkpoint_config.pfs_reuse_files,
             rank=rank,
             world_size=world,
             first_on_node=int(os.environ.get("LOCAL_RANK", "0")) == 0,

@@ -285,12 +285,13 @@ def agree(why: str, pg) -> str:
 
 class PfsTier:
     def __init__(self, folder: str, rank: int, world_size: int, keep_latest_k: int,
-                 job_id: str = "") -> None:
+                 job_id: str = "", reuse_files: bool = True) -> None:
         self.folder = folder
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
+        self.reuse_files = reuse_files  # [checkpoint] pfs_reuse_files: see _spare
         self._kept: KeptPlan | None = None  # the plan of the layout drained last: see save()
 
     def _dir(self, step: int, beside_export: bool = False) -> str:
@@ -494,23 +495,25 @@ class PfsTier:
         old = mine[: -self.keep_latest_k]
         for s in old:
             path = self.step_dir(s)
-            for r in range(self.world_size):
+            for r in range(self.world_size) if self.reuse_files else ():
                 with contextlib.suppress(OSError):
                     files.retire(os.path.join(path, f"__{r}_0{DEFAULT_SUFFIX}"), self._spare(r))
             shutil.rmtree(path, ignore_errors=True)
         return old
 
-    def _spare(self, rank: int) -> str:
+    def _spare(self, rank: int) -> str | None:
         """Where purge() retires rank R's data file, for R's next drain to write over
         (files.retire): into a new file, 100M's drain spent 0.30 s in the fsync against
         0.20 s, and rank 0's purge 0.32 s deleting against 1 ms (BENCHMARKS.md, overhead).
         The PFS holds one more part per rank at rest, none once the job ends
-        (release_spares)."""
+        (release_spares). None with pfs_reuse_files = false."""
+        if not self.reuse_files:
+            return None
         return os.path.join(self.folder, files.SPARE, self.job_id or "_", f"rank-{rank:05d}{DEFAULT_SUFFIX}")
 
     def release_spares(self) -> None:
         """Rank 0, at the job's end: its spares go (a later job makes new files)."""
-        if self.rank == 0:
+        if self.rank == 0 and self.reuse_files:
             shutil.rmtree(os.path.dirname(self._spare(0)), ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(self.folder, files.SPARE))
