@@ -317,6 +317,7 @@ class TieredCheckpointManager(_StockManager):
             if (self._grace_s > 0 and not last_step
                     and self.tiered.preemption_agreed(self._sigterm_at is not None)):
                 self._stop_for_preemption(curr_step)
+        faults.maybe_delay("slow_step", curr_step)
         faults.maybe_kill("kill_after_step", curr_step)
         faults.maybe_preempt(curr_step)
 
