@@ -31,8 +31,8 @@ def test_keys_parse_from_toml_and_cli(tmp_path):
     assert (ck.tier_local, ck.local_interval, ck.interval, ck.local_keep_latest_k) == (True, 7, 21, 3)
     cfg = _parse(tmp_path, "--checkpoint.local_interval", "3", "--checkpoint.no-tier-local")
     assert cfg.checkpoint.local_interval == 3 and cfg.checkpoint.tier_local is False
-    assert ck.pfs_reuse_files is True and _parse(tmp_path, "--checkpoint.no-pfs-reuse-files").checkpoint \
-        .pfs_reuse_files is False
+    assert ck.pfs_reuse_files is True
+    assert _parse(tmp_path, "--checkpoint.no-pfs-reuse-files").checkpoint.pfs_reuse_files is False
 
 
 def test_unknown_key_names_the_key(tmp_path):

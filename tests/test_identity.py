@@ -161,14 +161,14 @@ def test_a_restart_clears_a_killed_incarnations_torn_files_and_starts_on_a_full_
     mine = {"job_id": "20260101-000000-abcdef01", "dump_folder": "/d"}
     open(os.path.join(folder, JOB_RECORD), "w").write(json.dumps(mine))
 
-    def full(path, obj):
-        open(path + ".tmp999", "wb").write(b"{")  # a write cut short by the full disk
+    def full(fd, chunk):
+        os.write(fd, bytes(chunk[:1]))  # a write cut short by the full disk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     def no_room(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(files, "atomic_write_json", full)
+    monkeypatch.setattr(files, "write_all", full)  # the new JOB.json's bytes: its .tmp<pid> goes too
     monkeypatch.setattr(local.os, "pwrite", no_room)  # not even the lock's holder line fits
     lock, why = claim_job_dir(folder, dict(mine, pid=2))
     assert lock is not None and not why

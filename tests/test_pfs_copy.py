@@ -15,9 +15,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan_ckpt_plus import inspect, staging
+from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.drain import PartSource, StagedBytes
 from titan_ckpt_plus.tiers import files, pfs as pfs_mod
 from titan_ckpt_plus.tiers.local import LocalTier
+from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.pfs import MANIFEST, PfsTier
 
 
@@ -340,7 +342,6 @@ def test_a_purged_steps_data_file_is_written_over_by_the_next_drain(pg, tmp_path
     assert sorted(os.listdir(tmp_path / "pfs")) == ["step-6"]
 
 
-
 def test_with_pfs_reuse_files_off_a_purged_step_is_deleted_whole(pg, tmp_path):
     """[checkpoint] pfs_reuse_files = false (a tight PFS quota): no spare is kept, the
     next drain makes a new file, and nothing is left beside the kept steps."""
@@ -352,3 +353,32 @@ def test_with_pfs_reuse_files_off_a_purged_step_is_deleted_whole(pg, tmp_path):
         pfs.purge()
     assert pfs.steps() == [6] and sorted(os.listdir(tmp_path / "pfs")) == ["step-6"]
     assert pfs.verify(6, pg) == (True, "")
+
+
+def test_the_spares_stay_for_a_restart_and_go_once_the_last_step_is_saved(pg, tmp_path):
+    """The engine's close() before the last step (a preemption, an exception) keeps the
+    job's PFS spares: the restart's first drain writes over them. After the last step
+    they go."""
+    state = {"model": {"w": torch.arange(4096, dtype=torch.float32)}, "train_state": {"step": 0}}
+
+    def engine():
+        s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
+                         local_interval=1, pfs_interval=1, local_keep=2, pfs_keep=2, rank=0, world_size=1,
+                         first_on_node=True, job_id="J")
+        return TieredCheckpointer(s, lambda: state, EventLog(None))
+
+    ckpt = engine()
+    for step in (1, 2, 3):
+        ckpt.save(step)
+        ckpt.flush()
+    ckpt.close()
+    spare = tmp_path / "pfs" / ".spare" / "J" / "rank-00000.distcp"
+    assert ckpt.pfs.steps() == [2, 3] and spare.is_file()
+    inode = spare.stat().st_ino
+    ckpt = engine()
+    ckpt.save(4)
+    ckpt.flush()
+    assert (tmp_path / "pfs" / "step-4" / "__0_0.distcp").stat().st_ino == inode
+    ckpt.save(5, last_step=True)
+    ckpt.close()
+    assert ckpt.pfs.steps() == [4, 5] and not (tmp_path / "pfs" / ".spare").exists()

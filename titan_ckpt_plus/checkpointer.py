@@ -144,6 +144,7 @@ class TieredCheckpointer:
         self._pending_delta = 0.0
         self._pending_wait = 0.0
         self._pending_job: _Job | None = None
+        self._ended = False  # the last step saved and flushed (save(last_step=True))
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
         self.background = priority.IdleWhileOnTime(s.background_idle)
@@ -248,6 +249,7 @@ class TieredCheckpointer:
             self.wait_for_staging()
         if last_step:
             self.flush()
+            self._ended = True  # close() then lets the PFS spares go
 
     def _step_boundary(self, step: int) -> None:
         """Once a step: the background threads leave SCHED_IDLE while a save or a drain
@@ -414,7 +416,8 @@ class TieredCheckpointer:
         self._write_q.put(None)
         self._writer.join()
         self.drain.close()
-        self.pfs.release_spares()
+        if self._ended:
+            self.pfs.release_spares()
 
     def recover(self) -> Recovery:
         """Collective: agree on the newest checkpoint every rank can load, fetch

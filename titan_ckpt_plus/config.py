@@ -38,7 +38,8 @@ class Checkpoint:
     to `{folder}/.spare/<job id>/` for the rank's next drain to write over instead of
     deleting them: no new file's extents to allocate, no delete's TRIMs while training
     writes (BENCHMARKS.md, overhead). The PFS then holds one more part per rank while
-    the job runs; rank 0 removes them when it ends. false deletes them at once (a tight
+    the job runs; rank 0 removes them once the last step is saved (a preempted or crashed
+    job keeps them for its restart). false deletes them at once (a tight
     PFS quota)."""
 
     replication_factor: int = 0

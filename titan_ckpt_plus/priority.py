@@ -105,12 +105,7 @@ class IdleWhileOnTime:
 
     def enter(self) -> None:
         """On a checkpointer thread, as it starts."""
-        if not self.enabled:
-            return
-        with self._lock:
-            tid = threading.get_native_id()
-            self._tids.append(tid)
-            set_class(tid, idle=not self.promoted)
+        self.adopt([threading.get_native_id()])
 
     def adopt(self, tids) -> None:
         """Threads started elsewhere for the checkpointer's work (a background process
@@ -188,8 +183,8 @@ def thread_times() -> dict[str, list[int]]:
     step's extra time apart: more work, a wait for a core, or asleep (a collective,
     the GIL). Empty where the kernel has no schedstat."""
     out: dict[str, list[int]] = {}
-    pid = str(os.getpid())
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+    pid = os.getpid()
+    for tid in _tids():
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = "main" if tid == pid else f.read().strip()

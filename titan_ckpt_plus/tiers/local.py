@@ -166,7 +166,6 @@ def _write_record(folder: str, record: dict) -> None:
     try:
         files.atomic_write_json(path, record)
     except OSError as e:
-        remove_torn(folder)
         old, _ = _record(folder)
         if old.get("job_id") != record.get("job_id"):
             raise

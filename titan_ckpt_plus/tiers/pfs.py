@@ -505,16 +505,19 @@ class PfsTier:
         """Where purge() retires rank R's data file, for R's next drain to write over
         (files.retire): into a new file, 100M's drain spent 0.30 s in the fsync against
         0.20 s, and rank 0's purge 0.32 s deleting against 1 ms (BENCHMARKS.md, overhead).
-        The PFS holds one more part per rank at rest, none once the job ends
+        The PFS holds one more part per rank at rest, none once the last step is saved
         (release_spares). None with pfs_reuse_files = false."""
-        if not self.reuse_files:
-            return None
-        return os.path.join(self.folder, files.SPARE, self.job_id or "_", f"rank-{rank:05d}{DEFAULT_SUFFIX}")
+        return os.path.join(self._spare_dir, f"rank-{rank:05d}{DEFAULT_SUFFIX}") if self.reuse_files else None
+
+    @property
+    def _spare_dir(self) -> str:
+        return os.path.join(self.folder, files.SPARE, self.job_id or "_")
 
     def release_spares(self) -> None:
-        """Rank 0, at the job's end: its spares go (a later job makes new files)."""
-        if self.rank == 0 and self.reuse_files:
-            shutil.rmtree(os.path.dirname(self._spare(0)), ignore_errors=True)
+        """Rank 0, once the job has run its last step: its spares go (a later job makes
+        new files). Not after a crash or a preemption: the restart writes over them."""
+        if self.rank == 0:
+            shutil.rmtree(self._spare_dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(self.folder, files.SPARE))
 
