@@ -254,6 +254,7 @@ def _split(a: dict, b: dict) -> dict:
         for i, now in ((0, on_cpu), (1, waiting)):
             d[(_group(name), i)] = d.get((_group(name), i), 0.0) + (now - was[i]) / 1e9
     d["asleep"] = d["wall"] - d.get(("main", 0), 0.0) - d.get(("main", 1), 0.0)
+    d["cpu"] = sum(v for k, v in d.items() if isinstance(k, tuple) and k[1] == 0)
     return d
 
 
@@ -279,7 +280,9 @@ def where_time_goes(works: list[Path], steps: int, ranks: int) -> str:
         def ms(k):
             return statistics.mean(d.get(k, 0.0) for d in ds) * 1e3
 
-        parts.append(f"{kind} {ms('wall'):.0f} = {ms(('main', 0)):.0f} training thread on a CPU + "
+        busy = ranks * ms("cpu") / ((os.cpu_count() or 1) * ms("wall"))
+        parts.append(f"{kind} {ms('wall'):.0f} (the cores {busy:.0%} busy) = "
+                     f"{ms(('main', 0)):.0f} training thread on a CPU + "
                      f"{ms(('main', 1)):.0f} waiting for a core + {ms('asleep'):.0f} asleep; "
                      f"gloo threads {ms(('gloo', 0)):.0f} on a CPU + {ms(('gloo', 1)):.0f} waiting for a core, "
                      f"{ms(('ckpt', 0)):.0f} checkpointer threads on a CPU")
