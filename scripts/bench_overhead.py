@@ -230,6 +230,13 @@ def peak_during(on: Path, off: Path, steps: int, ranks: int, how=max) -> tuple[i
     return peak(off), peak(on)
 
 
+def drop_checkpoints(work: Path) -> None:
+    """A finished job's steps, local and PFS (several GiB a 100M job): what the table
+    reads is its logs, which stay. Kept, 3 jobs of each model filled this disk."""
+    shutil.rmtree(work / "local", ignore_errors=True)
+    shutil.rmtree(work / "dump" / "checkpoint", ignore_errors=True)
+
+
 def median_pair(pairs: list[tuple[int, int]]) -> tuple[int, int]:
     """The (off, on) pair whose difference is the median (RUNS is odd)."""
     return sorted(pairs, key=lambda p: p[1] - p[0])[len(pairs) // 2]
@@ -542,6 +549,7 @@ def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
     for rep in range(3):
         for nice, idle in ways:
             lb = launch_bound(nbytes, base / f"launch-{nice}-{idle}-{rep}", nice, idle)
+            shutil.rmtree(base / f"launch-{nice}-{idle}-{rep}", ignore_errors=True)
             slows[(nice, idle)].append(lb["during_s"] / lb["alone_s"] - 1)
             stalled["alone"].append(lb["stalled_alone"])
             stalled["during"].append(lb["stalled_during"])
@@ -588,6 +596,7 @@ def main() -> None:
             off = run_job(base / f"{flavor}-off{i}", flavor, tiers=False)[1]
             ons.append(base / f"{flavor}-tiers{i}")
             whole.append((off, run_job(ons[-1], flavor, tiers=True)[1]))
+            drop_checkpoints(ons[-1])
             pair = (ons[-1], base / f"{flavor}-off{i}", MODELS[flavor][3], MODELS[flavor][4])
             busy.append(peak_during(*pair))
             typical.append(peak_during(*pair, how=statistics.median))
