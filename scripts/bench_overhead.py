@@ -237,6 +237,12 @@ def drop_checkpoints(work: Path) -> None:
     shutil.rmtree(work / "dump" / "checkpoint", ignore_errors=True)
 
 
+def shown(infl: dict, kind: str, fmt: str = "+.3f") -> str:
+    """A kind of step's inflation, or why there is none: a drain that ended in the
+    step after its save leaves no later step."""
+    return format(infl[kind], fmt) if kind in infl else "no such step"
+
+
 def median_pair(pairs: list[tuple[int, int]]) -> tuple[int, int]:
     """The (off, on) pair whose difference is the median (RUNS is odd)."""
     return sorted(pairs, key=lambda p: p[1] - p[0])[len(pairs) // 2]
@@ -630,10 +636,9 @@ def main() -> None:
                            f"{where_time_goes(ons, MODELS[flavor][3], ranks)}")
         extra, busy_extra = rss_on - rss_off, busy_on - busy_off
         rows.append(f"| {name} | {rank_bytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
-                    f"{infl.get('local', float('nan')):+.3f} | {infl.get('local_drain', float('nan')):+.3f} | "
-                    f"{infl.get('drain', float('nan')):+.3f} | "
-                    f"{infl.get('all', float('nan')):+.2f} | "
-                    f"{infl.get('first_local', float('nan')):+.3f} / {infl.get('first_drain', float('nan')):+.3f} | "
+                    f"{shown(infl, 'local')} | {shown(infl, 'local_drain')} | {shown(infl, 'drain')} | "
+                    f"{shown(infl, 'all', '+.2f')} | "
+                    f"{shown(infl, 'first_local')} / {shown(infl, 'first_drain')} | "
                     f"{drain_s:.3f} s / {bound_s:.3f} s = {drain_s / bound_s:.1f}x | "
                     f"{rss_off / 2**30:.3f} / {rss_on / 2**30:.3f} GiB: {extra / rank_bytes:.2f}x | "
                     f"{busy_off / 2**30:.3f} / {busy_on / 2**30:.3f} GiB: {busy_extra / rank_bytes:.2f}x | "
