@@ -85,9 +85,16 @@ saves and drains; rank 1 writes no .metadata). The staging buffer is on transpar
 .metadata pickles only its changed fields. The "where a step's time goes" lines split the steps
 by every rank's scheduler counters (/proc/<tid>/schedstat, read at each step): the training
 thread on a CPU, waiting for a core, and asleep (a collective, the GIL); the gloo threads'
-waits for a core; the checkpointer threads' CPU. They show why a save's CPU cost the steps more
-than itself on 2 ranks, which keep both cores about 85% busy: its threads kept training's off
-the cores. Measured apart (debugmodel, jobs interleaved) with the checkpointer's threads at nice
+waits for a core; the checkpointer threads' CPU; how busy the cores were (every thread's
+CPU, all ranks, over the cores and the step). They show why a save's CPU cost the steps more
+than itself on 2 ranks: 100M's steps leave the cores a fifth idle (78% busy undisturbed), yet
+its gloo threads wait about 260 ms a step for a core, so a runnable thread often queues behind
+another on one core while the other core idles; with the copy's 9% of the cores added, those
+waits grew by 90-120 ms a step although the copy runs in SCHED_IDLE. The kernel's wake-up
+placement stops searching for an idle core when the cores' utilisation is high, and a
+SCHED_IDLE thread counts toward it (our reading: this container may not switch the scheduler
+feature off to prove it). With a core to spare (1 rank, 50% busy) a save costs the step less
+than its own CPU. Measured apart (debugmodel, jobs interleaved) with the checkpointer's threads at nice
 0 (the normal class): a drain step's +46 ms went to +8 ms more of the
 training thread's own CPU, +14 ms waiting for a core and +24 ms asleep, while the gloo threads
 waited +28 ms more for a core; nice 19 helped less, and not in every job (3 jobs). The default
