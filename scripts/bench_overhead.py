@@ -614,7 +614,8 @@ def main() -> None:
             busy.append(peak_during(*pair))
             typical.append(peak_during(*pair, how=statistics.median))
         (rss_off, rss_on), (busy_off, busy_on) = median_pair(whole), median_pair(busy)
-        typical_extra = (lambda p: p[1] - p[0])(median_pair(typical))
+        typical_off, typical_on = median_pair(typical)
+        typical_extra = typical_on - typical_off
         commits = [e for w in ons for e in ckpt_events(w, "local_commit")]
         drains = [e for w in ons for e in ckpt_events(w, "pfs_commit")]
         rank_bytes = statistics.median(e["bytes"] for e in commits)
