@@ -495,11 +495,16 @@ class PfsTier:
         old = mine[: -self.keep_latest_k]
         for s in old:
             path = self.step_dir(s)
-            for r in range(self.world_size) if self.reuse_files else ():
-                with contextlib.suppress(OSError):
-                    files.retire(os.path.join(path, f"__{r}_0{DEFAULT_SUFFIX}"), self._spare(r))
+            if self.reuse_files:
+                self._retire_parts(path)
             shutil.rmtree(path, ignore_errors=True)
         return old
+
+    def _retire_parts(self, path: str) -> None:
+        """Each rank's data file of a purged step becomes that rank's spare."""
+        for r in range(self.world_size):
+            with contextlib.suppress(OSError):  # a rank whose part is missing
+                files.retire(os.path.join(path, f"__{r}_0{DEFAULT_SUFFIX}"), self._spare(r))
 
     def _spare(self, rank: int) -> str | None:
         """Where purge() retires rank R's data file, for R's next drain to write over
