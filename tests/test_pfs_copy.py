@@ -1,6 +1,7 @@
 """The PFS drain as a copy (issue 15): a local part, already in DCP's per-rank form,
 made a DCP step by PartCopyWriter; one rank, no torchrun."""
 
+import contextlib
 import io
 import os
 import pickle
@@ -84,6 +85,53 @@ def _check_equal(back, want):
                  (back["optimizer"]["state"]["w"]["exp_avg"], want["optimizer"]["state"]["w"]["exp_avg"]),
                  (back["optimizer"]["state"]["w"]["step"], want["optimizer"]["state"]["w"]["step"])):
         assert torch.equal(a, b) and a.dtype == b.dtype
+
+
+def test_the_drain_yields_to_training_only_while_it_checksums(pg, tmp_path):
+    """The drain thread stays in its own (normal) class while it only waits for the
+    disk: a verbatim copy from memory. Its pieces are taken in `yielding()` (SCHED_IDLE
+    in the engine) while their bytes are checksummed: read back from the file, or not
+    the whole part, and from the moment the next save takes the buffer back."""
+    local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
+    layout, _, data = _stage_and_write(local, 3, _state(3))
+    whole, total = open(local._part(3, "data"), "rb").read(), layout.total_bytes
+    flag = {"on": False}
+
+    @contextlib.contextmanager
+    def yielding():
+        flag["on"] = True
+        try:
+            yield
+        finally:
+            flag["on"] = False
+
+    def take(source, spans, take_back_after=None):
+        got, inside, taker = b"", [], None
+        for i, (_, piece) in enumerate(source.pieces(spans)):
+            got += bytes(piece)
+            inside.append(flag["on"])
+            if i == take_back_after:  # the next save's copy thread, while this piece is written
+                taker = threading.Thread(target=source.staged.take_back)
+                taker.start()
+                taker.join(0.2)  # it has asked, and waits for the piece
+        assert not flag["on"]  # left once the pieces are taken
+        if taker:
+            taker.join()
+        return got, inside
+
+    def source(staged=True):
+        lent = StagedBytes(data.numpy(), reclaimable=True) if staged else None
+        return PartSource(total, lent, *local.data_file(3), yielding=yielding)
+
+    everything, half = [(0, total)], [(0, total // 2 // files.PAGE * files.PAGE)]
+    got, inside = take(source(), everything)
+    assert got == whole and len(inside) >= 2 and not any(inside)  # verbatim from memory
+    got, inside = take(source(), half)
+    assert got == whole[: half[0][1]] and all(inside)  # part of it: checksummed as written
+    got, inside = take(source(staged=False), everything)
+    assert got == whole and all(inside)  # from the file: checked as read
+    got, inside = take(source(), everything, take_back_after=0)
+    assert got == whole and inside[0] is False and all(inside[1:])  # the buffer taken back
 
 
 def test_a_local_part_becomes_a_dcp_step_without_serializing_its_tensors(pg, tmp_path):

@@ -10,10 +10,10 @@
                  training loop never waits for it, except in flush() at the last step
                  and close().
 
-The writer and the drain run at background priority (`background_nice`); the copy and
-the drain, with the background groups' gloo threads, in SCHED_IDLE while the work keeps
-up with training (priority.IdleWhileOnTime: the training thread checks once a step, in
-save()).
+The writer and the drain run at background priority (`background_nice`); the copy,
+the vote's and replication's gloo threads, and the drain while it checksums bytes, in
+SCHED_IDLE while the work keeps up with training (priority.IdleWhileOnTime: the
+training thread checks once a step, in save()).
 
 A failed save (disk full, permission, I/O error) is logged and counted; training
 goes on and the older checkpoints stay.
@@ -69,7 +69,7 @@ class TierSettings:
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
     pfs_reuse_files: bool = True  # purged PFS data files are written over by the next drain
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
-    background_idle: bool = False  # the copy, the drain, background gloo threads: SCHED_IDLE while on time
+    background_idle: bool = False  # the copy, the drain's checksums, background gloo threads: SCHED_IDLE while on time
 
     @property
     def layout_tag(self) -> dict:
@@ -149,8 +149,15 @@ class TieredCheckpointer:
         # interleave with each other or with the training group's.
         self.background = priority.IdleWhileOnTime(s.background_idle)
         self.commit_pg = self._background_group()
-        self.drain = PfsDrain(self.local, self.pfs, self.stats, events, self._background, self._background_group(),
-                              self.record_failure, self._drained, self._info)
+        # The drain and its group's gloo threads stay in the normal class but while the
+        # drain checksums bytes: the rest of its time it waits (the device's flush, two
+        # small collectives), and in SCHED_IDLE each wake-up waited for a free core, which
+        # made debugmodel's drain 1.7x its disk bound against 1.3x, the steps the same
+        # (BENCHMARKS.md, overhead).
+        self.drain = PfsDrain(self.local, self.pfs, self.stats, events,
+                              lambda target, name: self._background(target, name, idle=False),
+                              self._background_group(idle=False), self.record_failure, self._drained,
+                              self._info, yielding=self.background.yielding)
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
         self.policy = policy  # adaptive: sets the intervals; else only compared with them
         # The training thread's own group (interval decisions, preemption agreement):
@@ -182,12 +189,12 @@ class TieredCheckpointer:
         self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy",
                                                 idle=self.background)
 
-    def _background_group(self, backend: str = "gloo"):
+    def _background_group(self, backend: str = "gloo", idle: bool = True):
         """A process group for background work only (the vote, the drain, replication):
-        its gloo threads, which move a collective's bytes and wake for its messages,
-        yield to training as the checkpointer's own threads do. NCCL's run on the GPU."""
+        with `idle`, its gloo threads, which move a collective's bytes and wake for its
+        messages, yield to training as the copy thread does. NCCL's run on the GPU."""
         pg, tids = priority.threads_started_by(lambda: dist.new_group(backend=backend))
-        if backend == "gloo":
+        if backend == "gloo" and idle:
             self.background.adopt(tids)
         return pg
 

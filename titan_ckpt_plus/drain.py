@@ -1,16 +1,18 @@
 """The PFS drain: committed local steps -> torchtitan's DCP layout on the PFS.
 
 One background thread, its own gloo group (its collectives never interleave with the
-writer's or training's), at background priority. The committed local part is already
-a DCP data file (staging.py), so the drain is a copy (`PfsTier.save`, PartCopyWriter)
-of the items DCP's planner gives this rank; DCP plans from the step's state rebuilt
-on the meta device (no bytes held). The bytes come from the staging buffer while it
+writer's or training's), at background priority: in the normal class, as the writer,
+but in SCHED_IDLE (where the policy says) while it checksums bytes. The committed
+local part is already a DCP data file (staging.py), so the drain is a copy
+(`PfsTier.save`, PartCopyWriter) of the items DCP's planner gives this rank; DCP plans
+from the step's state rebuilt on the meta device (no bytes held). The bytes come from the staging buffer while it
 still holds them (StagedBytes: nothing is read back from the local disk), else from
 the committed local file, checked as it is read. A failed drain is logged
 and counted; the older PFS steps stay. The training loop never waits for it, except
 when it flushes (the last step, a preemption, close()).
 """
 
+import contextlib
 import queue
 import threading
 import time
@@ -49,27 +51,42 @@ class StagedBytes:
 
 class PartSource:
     """A rank's part of a step, as PartCopyWriter reads it. `crc`: the CRC-32C of all
-    its bytes if known (the local manifest's), so a verbatim copy need not compute it."""
+    its bytes if known (the local manifest's), so a verbatim copy need not compute it.
+    `yielding()`: a context in which the thread's CPU-heavy work yields to training
+    (IdleWhileOnTime.yielding): checksumming, whether the file's bytes as they are read
+    or the copied ones as they are written."""
 
     def __init__(self, total: int, staged: StagedBytes | None, path: str | None = None,
-                 expect: dict | None = None) -> None:
+                 expect: dict | None = None, yielding: Callable = contextlib.nullcontext) -> None:
         self.total, self.staged, self.path, self.expect = total, staged, path, expect
         self.crc = expect[files.SUM] if expect and expect.get("size") == total else None
+        self.yielding = yielding
+
+    def verbatim(self, spans: list) -> bool:
+        """Whether copying `spans` copies the whole part, whose CRC-32C is known."""
+        return spans == [(0, self.total)] and self.crc is not None
 
     def pieces(self, spans: list):
         """(offset, piece) over `spans` in order: from memory while the loan lasts (the
-        lock held while the consumer writes each piece), then from the file."""
-        if self.staged is not None:
+        lock held while the consumer writes each piece), then from the file. Only a
+        verbatim copy from memory goes without checksumming, in the thread's own class."""
+        light = self.staged is not None and self.verbatim(spans)
+        with contextlib.ExitStack() as heavy:
+            if not light:
+                heavy.enter_context(self.yielding())
+            if self.staged is None:
+                yield from files.read_spans(self.path, self.expect, spans)
+                return
             for a, b in spans:
                 for p in range(a, b, files.CHUNK):
                     with self.staged.lock:
                         if not self.staged.taken_back:
                             yield p, self.staged.data[p : min(p + files.CHUNK, b)]
                             continue
+                    if light:
+                        heavy.enter_context(self.yielding())
                     yield from files.read_spans(self.path, self.expect, spans, resume=p)
                     return
-            return
-        yield from files.read_spans(self.path, self.expect, spans)
 
 
 class PfsDrain:
@@ -80,9 +97,11 @@ class PfsDrain:
     the staging buffer it held)."""
 
     def __init__(self, local: LocalTier, pfs: PfsTier, stats, events, start_thread: Callable, pg,
-                 failed: Callable, done: Callable, info: Callable) -> None:
+                 failed: Callable, done: Callable, info: Callable,
+                 yielding: Callable = contextlib.nullcontext) -> None:
         self.local, self.pfs, self.stats, self.events = local, pfs, stats, events
         self._failed, self._done, self._info = failed, done, info
+        self._yielding = yielding  # PartSource's
         self.pg = pg  # its own gloo group: its collectives never interleave with others'
         self.steps: set[int] = set()  # queued or in flight: retention keeps them
         self.last_seconds = 0.0
@@ -116,8 +135,8 @@ class PfsDrain:
         """The step's part: the staged bytes while lent, else the committed local file."""
         total = job.layout.total_bytes
         if job.loan is not None and not job.loan.reclaimable:
-            return PartSource(total, job.loan)
-        return PartSource(total, job.loan, *self.local.data_file(job.step))
+            return PartSource(total, job.loan, yielding=self._yielding)
+        return PartSource(total, job.loan, *self.local.data_file(job.step), yielding=self._yielding)
 
     def _drain(self, job) -> None:
         t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()

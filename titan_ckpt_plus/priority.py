@@ -7,6 +7,7 @@ where the kernel refuses, nothing changes (a note in the log, never an error).
 No torch import: unit-testable alone.
 """
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -78,9 +79,10 @@ def can_leave_idle() -> bool:
 
 
 class IdleWhileOnTime:
-    """The checkpointer's CPU-heavy threads (the staging copy, the drain, the background
-    groups' gloo threads) in SCHED_IDLE while the work keeps up with training, back in
-    the normal class (at their nice value) while some of it is late.
+    """The checkpointer's CPU-heavy threads (the staging copy, the vote's and
+    replication's gloo threads, the drain while it checksums: yielding()) in SCHED_IDLE
+    while the work keeps up with training, back in the normal class (at their nice
+    value) while some of it is late.
 
     SCHED_IDLE gives a core back the moment a training or gloo thread wakes: on 2 CPU
     ranks it cut what a local save cost debugmodel's steps by half or more. But where
@@ -123,6 +125,21 @@ class IdleWhileOnTime:
         with self._lock:
             if threading.get_native_id() in self._tids:
                 self._tids.remove(threading.get_native_id())
+
+    @contextlib.contextmanager
+    def yielding(self):
+        """A stretch of CPU-heavy work on a thread that otherwise stays in the normal
+        class (the drain checksumming bytes): in SCHED_IDLE with the other threads for
+        its length, and promoted with them while late."""
+        if not self.enabled:
+            yield
+            return
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+            set_class(threading.get_native_id(), idle=False)
 
     def begin(self, key) -> None:
         with self._lock:

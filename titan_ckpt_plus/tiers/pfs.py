@@ -157,7 +157,7 @@ class PartCopyWriter(FileSystemWriter):
         results = []
         self.clock.mark("items")
         with files.Appender(os.path.join(self.path, name), self.reuse) as out:
-            verbatim = spans == [(0, self.layout.total_bytes)] and self.source.crc is not None
+            verbatim = self.source.verbatim(spans)
             with contextlib.closing(self.source.pieces(spans)) as pieces:
                 for _, piece in pieces:
                     out.write(piece, crc=not verbatim)
