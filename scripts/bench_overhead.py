@@ -103,10 +103,16 @@ root here), which gives a core back the moment a training or gloo thread wakes; 
 or a drain still in flight when its step ends brings them back to the normal class (the
 "normal" row: nice 0 throughout, side by side). SCHED_IDLE without that check starved a
 pipeline-parallel job's commit past a kill; with it those jobs pass. The gloo threads of the
-vote's and the drain's process groups move with them: 4 interleaved jobs each way, local step
-+0.041 / +0.084 with those threads left normal, drain step +0.097 / +0.128. The local writer
-stays in the normal class: in SCHED_IDLE its commits came 61 ms after their saves against 51
-(4 of 4 interleaved pairs), the steps the same within the noise (local +0.044 / +0.050). On
+vote's process group (and until 735e2ca the drain's) move with them: 4 interleaved jobs each
+way, local step +0.041 / +0.084 with those threads left normal, drain step +0.097 / +0.128. The
+local writer stays in the normal class: in SCHED_IDLE its commits came 61 ms after their saves
+against 51 (4 of 4 interleaved pairs), the steps the same within the noise (local +0.044 /
++0.050). So does the drain with its group's gloo threads since 735e2ca, but while it checksums
+bytes (none here: every item is its rank's, copied from memory): it mostly waits for the disk's
+flush and two small collectives, and in SCHED_IDLE each wake-up waited for a free core. 3 jobs
+each way, one model after the other: debugmodel's drain 1.7x its bound in SCHED_IDLE against
+1.3x, its step after a PFS save +0.127 / +0.124; 100M's drain 0.8x / 0.9x, that step +0.211 /
++0.262 and a local save's step (no drain in it) +0.163 / +0.173, the noise between runs. On
 debugmodel, 4 interleaved jobs each way: local step +0.070 / +0.076 (normal), drain step
 +0.146 / +0.200, a local commit 75 / 58 ms after its save. On 100M, 2 each way: local +0.19 /
 +0.29, drain +0.15 / +0.13; its undisturbed step moves by a third within the hour. Local
