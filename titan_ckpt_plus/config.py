@@ -103,19 +103,19 @@ class Checkpoint:
     background_policy: str = "auto"
     """How the checkpointer's CPU-heavy background work (the staging copy, the drain's
     checksums, and the gloo threads of the vote's and replication's process groups)
-    yields the CPU to training's. "idle": Linux's SCHED_IDLE while the work is on time, so it
-    runs only on a core training's threads leave free and gives it back the moment one
-    wakes (BENCHMARKS.md, overhead: the "normal" row beside the default ones); a save or
-    a drain still in flight when the step it began in ends brings it back to the normal
-    class until nothing is in flight, so where training leaves no core idle (pipeline
-    parallel on CPU) a commit comes at most about a step later than at normal priority.
-    The local writer and the drain stay in the normal class (the drain but while it
-    checksums bytes): they mostly wait for the disk, and their few ms of CPU decide
-    when a step is durable. Coming back needs CAP_SYS_NICE (root on a bare node; a container
-    only with --cap-add SYS_NICE) or RLIMIT_NICE >= 20; without it "idle" is refused
-    with a warning and the threads stay normal. "normal": the scheduler's normal class, the writer and the drain at
-    background_nice. "auto" (the default): "idle" where the threads may come back,
-    else "normal"."""
+    yields the CPU to training's. "idle": Linux's SCHED_IDLE while the work is on time,
+    so it runs only on a core training's threads leave free and gives it back the
+    moment one wakes (BENCHMARKS.md, overhead: the "normal" row beside the default
+    ones); a save or a drain still in flight when the step it began in ends brings it
+    back to the normal class until nothing is in flight, so where training leaves no
+    core idle (pipeline parallel on CPU) a commit comes at most about a step later than
+    at normal priority. The local writer and the drain stay in the normal class (the
+    drain but while it checksums bytes): they mostly wait for the disk, and their few
+    ms of CPU decide when a step is durable. Coming back needs CAP_SYS_NICE (root on a
+    bare node; a container only with --cap-add SYS_NICE) or RLIMIT_NICE >= 20; without
+    it "idle" is refused with a warning and the threads stay normal. "normal": the
+    scheduler's normal class, the writer and the drain at background_nice. "auto" (the
+    default): "idle" where the threads may come back, else "normal"."""
 
     staging_copy: str = "thread"
     """Where a save's copy of the state into the staging buffer runs: "thread" (the copy

@@ -5,10 +5,10 @@ writer's or training's), at background priority: in the normal class, as the wri
 but in SCHED_IDLE (where the policy says) while it checksums bytes. The committed
 local part is already a DCP data file (staging.py), so the drain is a copy
 (`PfsTier.save`, PartCopyWriter) of the items DCP's planner gives this rank; DCP plans
-from the step's state rebuilt on the meta device (no bytes held). The bytes come from the staging buffer while it
-still holds them (StagedBytes: nothing is read back from the local disk), else from
-the committed local file, checked as it is read. A failed drain is logged
-and counted; the older PFS steps stay. The training loop never waits for it, except
+from the step's state rebuilt on the meta device (no bytes held). The bytes come from
+the staging buffer while it still holds them (StagedBytes: nothing is read back from
+the local disk), else from the committed local file, checked as it is read. A failed
+drain is logged and counted; the older PFS steps stay. The training loop never waits for it, except
 when it flushes (the last step, a preemption, close()).
 """
 
