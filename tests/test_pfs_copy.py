@@ -113,7 +113,8 @@ def test_the_drain_yields_to_training_only_while_it_checksums(pg, tmp_path):
             if i == take_back_after:  # the next save's copy thread, while this piece is written
                 taker = threading.Thread(target=source.staged.take_back)
                 taker.start()
-                taker.join(0.2)  # it has asked, and waits for the piece
+                while not source.staged.taken_back:  # it has asked, and waits for the piece
+                    taker.join(0.001)
         assert not flag["on"]  # left once the pieces are taken
         if taker:
             taker.join()

@@ -67,26 +67,28 @@ class PartSource:
         return spans == [(0, self.total)] and self.crc is not None
 
     def pieces(self, spans: list):
-        """(offset, piece) over `spans` in order: from memory while the loan lasts (the
-        lock held while the consumer writes each piece), then from the file. Only a
-        verbatim copy from memory goes without checksumming, in the thread's own class."""
-        light = self.staged is not None and self.verbatim(spans)
-        with contextlib.ExitStack() as heavy:
-            if not light:
-                heavy.enter_context(self.yielding())
-            if self.staged is None:
-                yield from files.read_spans(self.path, self.expect, spans)
+        """(offset, piece) over `spans` in order: from memory while the loan lasts, then
+        from the file. Only a verbatim copy from memory goes without checksumming, in the
+        thread's own class."""
+        resume = 0
+        if self.staged is not None:
+            with contextlib.nullcontext() if self.verbatim(spans) else self.yielding():
+                resume = yield from self._from_memory(spans)
+            if resume is None:
                 return
-            for a, b in spans:
-                for p in range(a, b, files.CHUNK):
-                    with self.staged.lock:
-                        if not self.staged.taken_back:
-                            yield p, self.staged.data[p : min(p + files.CHUNK, b)]
-                            continue
-                    if light:
-                        heavy.enter_context(self.yielding())
-                    yield from files.read_spans(self.path, self.expect, spans, resume=p)
-                    return
+        with self.yielding():
+            yield from files.read_spans(self.path, self.expect, spans, resume=resume)
+
+    def _from_memory(self, spans: list):
+        """The staged pieces, the lock held while the consumer writes each; returns
+        where the file takes over once the loan is taken back, None if it never is."""
+        for a, b in spans:
+            for p in range(a, b, files.CHUNK):
+                with self.staged.lock:
+                    if self.staged.taken_back:
+                        return p
+                    yield p, self.staged.data[p : min(p + files.CHUNK, b)]
+        return None
 
 
 class PfsDrain:
@@ -134,9 +136,9 @@ class PfsDrain:
     def _source(self, job) -> PartSource:
         """The step's part: the staged bytes while lent, else the committed local file."""
         total = job.layout.total_bytes
-        if job.loan is not None and not job.loan.reclaimable:
-            return PartSource(total, job.loan, yielding=self._yielding)
-        return PartSource(total, job.loan, *self.local.data_file(job.step), yielding=self._yielding)
+        no_file = job.loan is not None and not job.loan.reclaimable
+        return PartSource(total, job.loan, *(() if no_file else self.local.data_file(job.step)),
+                          yielding=self._yielding)
 
     def _drain(self, job) -> None:
         t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()
