@@ -53,6 +53,30 @@ def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nn
     return proc
 
 
+_FATAL = ("Fatal Python error", "terminate called", "Traceback (most recent call last)",
+          "Segmentation fault", "exitcode")
+
+
+def output(proc, tail: int = 4000) -> str:
+    """A failed job's output for an assertion message: every line that says how a
+    process died (with the 40 after it: a native abort's thread dump) and the last
+    `tail` characters. The tail alone lost the dump of a rank that aborted at exit."""
+    lines = proc.stdout.splitlines()
+    keep = set()
+    for i, line in enumerate(lines):
+        if any(m in line for m in _FATAL):
+            keep.update(range(i, min(i + 41, len(lines))))
+    excerpt = "\n".join(lines[i] for i in sorted(keep))
+    return f"exit {proc.returncode}\n--- how it died ---\n{excerpt}\n--- last output ---\n{proc.stdout[-tail:]}"
+
+
+def ok(*procs):
+    """Fail unless every process exited 0; returns the first (or only) one."""
+    for p in procs:
+        assert p.returncode == 0, output(p)
+    return procs[0]
+
+
 def run_without_torch(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter, then fail unless it imported no torch module:
     the CLI and the policy room must work on a machine without a training stack."""

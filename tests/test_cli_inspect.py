@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, copy_run, events, flip_byte, job_dir, run_without_torch, torchrun
+from harness import ckpt_events, copy_run, events, flip_byte, job_dir, ok, run_without_torch, torchrun
 from titan_ckpt_plus.cli import COMMANDS, build_parser, main
 from titan_ckpt_plus.report import render
 
@@ -20,7 +20,7 @@ e2e = pytest.mark.e2e
 def run(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("inspect_run")
     proc = torchrun(work)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    ok(proc)
     return work
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ROOT, by_step, losses, torchrun
+from harness import by_step, losses, ok, ROOT, torchrun
 from harness import sample_records as records
 
 pytestmark = pytest.mark.e2e
@@ -46,17 +46,12 @@ def run(work: Path, corpus: Path, nproc: int, *overrides: str, samples: str = "s
         del os.environ["TITAN_CKPT_SAMPLE_LOG"]
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc
-
-
 def test_dp_2_then_1_then_3_consumes_every_sequence_exactly_once(corpus, tmp_path):
-    _ok(run(tmp_path, corpus, 2, "--training.steps", "4", samples="s1.jsonl"))
-    p2 = _ok(run(tmp_path, corpus, 1, "--training.steps", "8", samples="s2.jsonl"))
+    ok(run(tmp_path, corpus, 2, "--training.steps", "4", samples="s1.jsonl"))
+    p2 = ok(run(tmp_path, corpus, 1, "--training.steps", "8", samples="s2.jsonl"))
     assert "data resumes at global sequence 48 (step 4" in p2.stdout
     assert "recovered step 4 from the pfs tier" in p2.stdout
-    p3 = _ok(run(tmp_path, corpus, 3, "--training.steps", "12", samples="s3.jsonl"))
+    p3 = ok(run(tmp_path, corpus, 3, "--training.steps", "12", samples="s3.jsonl"))
     assert "data resumes at global sequence 96 (step 8" in p3.stdout
     assert "saved at DP 1, now DP 3 x local batch 2 x 2 microbatches" in p3.stdout
 
@@ -76,11 +71,11 @@ def test_dp_2_then_1_then_3_consumes_every_sequence_exactly_once(corpus, tmp_pat
 
 def test_same_dp_resume_is_bit_exact(corpus, tmp_path):
     ref, work = tmp_path / "ref", tmp_path / "work"
-    _ok(run(ref, corpus, 2))
+    ok(run(ref, corpus, 2))
     killed = run(work, corpus, 2, fault="kill_after_step@7:1", samples="s1.jsonl",
                  loss_log="run1.jsonl")
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout
-    p = _ok(run(work, corpus, 2, samples="s2.jsonl", loss_log="run2.jsonl"))
+    p = ok(run(work, corpus, 2, samples="s2.jsonl", loss_log="run2.jsonl"))
     assert "Training starts at step 7" in p.stdout
     got, want = losses(work, "run2.jsonl"), losses(ref)
     assert [got.get(s) for s in range(7, STEPS + 1)] == [want[s] for s in range(7, STEPS + 1)]
@@ -99,7 +94,7 @@ def test_global_batch_the_dp_degree_cannot_divide_fails_at_startup(corpus, tmp_p
 
 
 def test_per_rank_checkpoint_is_refused_at_another_dp_with_how_to_proceed(corpus, tmp_path):
-    _ok(run(tmp_path, corpus, 2, "--training.steps", "4", "--checkpoint.dataloader_resume",
+    ok(run(tmp_path, corpus, 2, "--training.steps", "4", "--checkpoint.dataloader_resume",
             "per_rank", samples="none.jsonl"))
     assert not (tmp_path / "none.jsonl").exists()  # torchtitan's own loader ran
     proc = run(tmp_path, corpus, 1, "--training.steps", "8")

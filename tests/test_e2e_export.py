@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from harness import ckpt_events, copy_run, losses, torchrun
+from harness import ckpt_events, copy_run, losses, ok, torchrun
 
 pytestmark = pytest.mark.e2e
 SAME_DATA = ("--checkpoint.dataloader_resume", "per_rank")
@@ -23,16 +23,11 @@ HF_EXPORT = ("--training.steps", "4", "--checkpoint.export_dtype", "bfloat16",
 STOCK = ("--checkpoint.no-tier-local",)
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc
-
-
 @pytest.fixture(scope="module")
 def dcp_runs(tmp_path_factory):
     stock, plugin = tmp_path_factory.mktemp("stock_dcp"), tmp_path_factory.mktemp("plugin_dcp")
-    _ok(torchrun(stock, *STOCK, *DCP_EXPORT))
-    _ok(torchrun(plugin, *DCP_EXPORT))
+    ok(torchrun(stock, *STOCK, *DCP_EXPORT))
+    ok(torchrun(plugin, *DCP_EXPORT))
     return stock, plugin
 
 
@@ -61,7 +56,7 @@ def test_model_only_bf16_export_is_stock_torchtitans_tensor_for_tensor(dcp_runs,
 def test_restart_after_the_last_step_resumes_at_the_next_step_never_from_the_export(dcp_runs, tmp_path):
     work = copy_run(dcp_runs[1], tmp_path / "more")
     shutil.rmtree(work / "local")  # only the PFS is left: the export and full_state/step-6
-    proc = _ok(torchrun(work, *DCP_EXPORT, "--training.steps", "8", loss_log="run2.jsonl"))
+    proc = ok(torchrun(work, *DCP_EXPORT, "--training.steps", "8", loss_log="run2.jsonl"))
     rec = ckpt_events(work, "recovery")[-1]
     assert (rec["tier"], rec["step"]) == ("pfs", 6) and rec["bytes_pfs"] > 0
     assert "Training starts at step 7" in proc.stdout
@@ -75,8 +70,8 @@ def test_hf_export_is_written_where_stock_writes_it_and_loads_through_torchtitan
     from safetensors.torch import load_file
 
     stock, plugin, fresh = tmp_path / "stock", tmp_path / "plugin", tmp_path / "fresh"
-    _ok(torchrun(stock, *STOCK, *HF_EXPORT))
-    _ok(torchrun(plugin, *HF_EXPORT))
+    ok(torchrun(stock, *STOCK, *HF_EXPORT))
+    ok(torchrun(plugin, *HF_EXPORT))
     s_dir, p_dir = stock / "dump" / "checkpoint" / "step-4", plugin / "dump" / "checkpoint" / "step-4"
     names = sorted(p.name for p in s_dir.glob("*.safetensors"))
     assert names and names == sorted(p.name for p in p_dir.glob("*.safetensors"))
@@ -86,8 +81,8 @@ def test_hf_export_is_written_where_stock_writes_it_and_loads_through_torchtitan
         assert sorted(got) == sorted(want)
         assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k]) for k in want)
     load = ("--training.steps", "1", "--checkpoint.initial_load_in_hf", *SAME_DATA)
-    proc = _ok(torchrun(fresh, "--checkpoint.initial_load_path", str(p_dir), *load))
+    proc = ok(torchrun(fresh, "--checkpoint.initial_load_path", str(p_dir), *load))
     assert f"Loading the checkpoint from {p_dir}" in proc.stdout
     assert losses(fresh)[1] != losses(plugin)[1]  # step 1 ran on the exported weights, not a fresh init
-    _ok(torchrun(tmp_path / "fresh_stock", "--checkpoint.initial_load_path", str(s_dir), *load))
+    ok(torchrun(tmp_path / "fresh_stock", "--checkpoint.initial_load_path", str(s_dir), *load))
     assert losses(fresh) == losses(tmp_path / "fresh_stock")  # the same weights as stock's export

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, copy_run, job_dir, job_id, losses, torchrun
+from harness import ckpt_events, copy_run, job_dir, job_id, losses, ok, torchrun
 
 pytestmark = pytest.mark.e2e
 STEPS = 12
@@ -20,7 +20,7 @@ STEPS = 12
 def reference(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("identity_ref")
     proc = torchrun(work, nproc=1)
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    ok(proc)
     return work
 
 
@@ -54,7 +54,7 @@ def test_garbled_identity_beside_pfs_steps_is_refused_then_adopted(reference, st
     assert ident.read_bytes() == b'{"format": 1, "job_id": '  # a refused start changes nothing
 
     proc = torchrun(work, "--checkpoint.adopt_job", old_id, nproc=1, loss_log="run2.jsonl")
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    ok(proc)
     assert f"adopt_job = '{old_id}': this job" in proc.stdout
     rec = ckpt_events(work, "recovery")[-1]
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", step, 0)
@@ -69,7 +69,7 @@ def test_identity_naming_another_missing_folder_is_ignored_and_nothing_is_loaded
     ident.write_text(json.dumps(dict(json.loads(ident.read_text()), dump_folder="/nonexistent/run")))
     shutil.rmtree(work / "dump" / "checkpoint")  # only local steps are left to tempt it
     proc = torchrun(work, nproc=1, loss_log="run2.jsonl")
-    assert proc.returncode == 0, proc.stdout[-4000:]
+    ok(proc)
     assert proc.stdout.count(f"ignored {ident}") == 1 and "no longer exists" in proc.stdout
     assert not ckpt_events(work, "recovery") and "Training starts at step 1" in proc.stdout
     _same_losses_from(work, reference, 1, "run2.jsonl")

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from harness import ckpt_events, events, losses, torchrun
+from harness import ckpt_events, events, losses, ok, output, torchrun
 from titan_ckpt_plus import digest
 
 pytestmark = pytest.mark.e2e
@@ -45,11 +45,6 @@ VARIANTS = {
 }
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc
-
-
 def _recovered(work) -> dict:
     recs = ckpt_events(work, "recovery")
     assert recs, "no recovery recorded"
@@ -77,9 +72,9 @@ def test_killed_at_step_6_resumes_from_local_step_4(name, tmp_path):
     nproc, args, exact = VARIANTS[name]
     work = tmp_path / "run"
     proc = torchrun(work, *args, *STEPS, nproc=nproc, fault=FAULTS, loss_log="run1.jsonl")
-    assert proc.returncode != 0 and "SIGKILL" in proc.stdout, proc.stdout[-4000:]
+    assert proc.returncode != 0 and "SIGKILL" in proc.stdout, output(proc)
     assert "slow_staging at step 4" in proc.stdout  # the late copy did happen
-    _ok(torchrun(work, *args, *STEPS, nproc=nproc, loss_log="run2.jsonl"))
+    ok(torchrun(work, *args, *STEPS, nproc=nproc, loss_log="run2.jsonl"))
     rec = _recovered(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)
     _loads_match_saves(work, nproc, 4)
@@ -89,7 +84,7 @@ def test_killed_at_step_6_resumes_from_local_step_4(name, tmp_path):
     assert not [e for e in after if e["event"] == "save_failed"]
     if exact:
         ref = tmp_path / "reference"
-        _ok(torchrun(ref, *args, *STEPS, nproc=nproc))
+        ok(torchrun(ref, *args, *STEPS, nproc=nproc))
         assert [losses(work, "run2.jsonl")[s] for s in range(5, 9)] == [losses(ref)[s] for s in range(5, 9)]
 
 
@@ -101,11 +96,11 @@ QWEN3 = ("--model.name", "qwen3", "--model.flavor", "tiny", "--training.global_b
 
 def test_llama4_drains_and_resumes_bit_exact_from_the_pfs(tmp_path):
     work, ref = tmp_path / "run", tmp_path / "reference"
-    _ok(torchrun(ref, *LLAMA4, *STEPS))
+    ok(torchrun(ref, *LLAMA4, *STEPS))
     proc = torchrun(work, *LLAMA4, *STEPS, fault="kill_after_step@7:1", loss_log="run1.jsonl")
-    assert proc.returncode != 0 and "SIGKILL" in proc.stdout, proc.stdout[-4000:]
+    assert proc.returncode != 0 and "SIGKILL" in proc.stdout, output(proc)
     shutil.rmtree(work / "local")
-    _ok(torchrun(work, *LLAMA4, *STEPS, loss_log="run2.jsonl"))
+    ok(torchrun(work, *LLAMA4, *STEPS, loss_log="run2.jsonl"))
     rec = _recovered(work)
     assert (rec["tier"], rec["step"], rec["bytes_local"]) == ("pfs", 4, 0)
     _loads_match_saves(work, 2, 4)
@@ -122,9 +117,9 @@ def test_qwen3_global_samples_survive_a_dp_change_every_sequence_once(tmp_path):
     # it; slow_step gives it 1.5 s more.
     proc = torchrun(work, *QWEN3, *STEPS, "--parallelism.data_parallel_replicate_degree", "2",
                     "--checkpoint.background_policy=normal", fault="slow_step@7,kill_after_step@7:1", env=env)
-    assert proc.returncode != 0 and "SIGKILL" in proc.stdout, proc.stdout[-4000:]
+    assert proc.returncode != 0 and "SIGKILL" in proc.stdout, output(proc)
     env = {"TITAN_CKPT_SAMPLE_LOG": str(work / "s2.jsonl")}
-    p2 = _ok(torchrun(work, *QWEN3, *STEPS, "--parallelism.data_parallel_replicate_degree", "1",
+    p2 = ok(torchrun(work, *QWEN3, *STEPS, "--parallelism.data_parallel_replicate_degree", "1",
                       nproc=1, env=env))
     rec = _recovered(work)
     assert (rec["tier"], rec["step"], rec["bytes_local"]) == ("pfs", 4, 0)  # local: another layout

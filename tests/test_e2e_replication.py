@@ -6,16 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, torchrun, torchrun_nodes
+from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, ok, torchrun, torchrun_nodes
 
 pytestmark = pytest.mark.e2e
 REPL = ("--checkpoint.replication_factor=1",)
 STEPS = 12
-
-
-def _all_ok(procs):
-    for p in procs:
-        assert p.returncode == 0, p.stdout[-4000:]
 
 
 def _recovery(work):
@@ -31,7 +26,7 @@ def _same_losses_from(work, reference, first, name):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("repl_ref")
-    _all_ok(torchrun_nodes(work, *REPL))
+    ok(*torchrun_nodes(work, *REPL))
     return work
 
 
@@ -67,7 +62,7 @@ def test_wiped_node_recovers_from_its_neighbor_never_from_another_jobs_parts(ref
         other = job_dir(reference, node)
         shutil.copytree(other, work / "local" / node / other.name)
     procs = torchrun_nodes(work, *REPL, loss_log="run2.jsonl")
-    _all_ok(procs)
+    ok(*procs)
     rec = _recovery(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 6, 0)
     assert rec["bytes_peer"] > 0 and rec["source"] == "local+peer"
@@ -85,7 +80,7 @@ def test_wiped_node_recovers_from_its_neighbor_never_from_another_jobs_parts(ref
 def test_all_local_folders_wiped_resumes_from_the_pfs(reference, killed, tmp_path):
     work = copy_run(killed, tmp_path / "w")
     shutil.rmtree(work / "local")
-    _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
+    ok(*torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
     rec = _recovery(work)
     assert (rec["tier"], rec["step"], rec["bytes_local"], rec["bytes_peer"]) == ("pfs", 4, 0, 0)
     assert rec["bytes_pfs"] > 0
@@ -96,7 +91,7 @@ def test_corrupt_replica_is_rejected_and_an_older_step_is_used(reference, killed
     work = copy_run(killed, tmp_path / "w")
     shutil.rmtree(work / "local" / "1")
     flip_byte(job_dir(work) / "step-6" / "rank-00002.data")
-    _all_ok(torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
+    ok(*torchrun_nodes(work, *REPL, loss_log="run2.jsonl"))
     rec = _recovery(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)
     skipped = {(t, s): why for t, s, why in rec["skipped"]}

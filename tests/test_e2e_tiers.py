@@ -8,19 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, pfs_step, torchrun
+from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, ok, output, pfs_step, torchrun
 
 pytestmark = pytest.mark.e2e
 STEPS = 12
 
 
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return proc
-
-
 def _killed(proc):
-    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert proc.returncode != 0, output(proc)
     assert "SIGKILL" in proc.stdout
     return proc
 
@@ -28,7 +23,7 @@ def _killed(proc):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("reference")
-    _ok(torchrun(work))
+    ok(torchrun(work))
     return work
 
 
@@ -64,10 +59,10 @@ def test_stock_torchtitan_resumes_from_a_drained_pfs_step(tmp_path):
     the default global-sample state stock torchtitan needs exclude_from_loading =
     ["dataloader"] (docs/data_resumption.md)."""
     ref, stock = tmp_path / "ref", tmp_path / "stock"
-    _ok(torchrun(ref, "--checkpoint.dataloader_resume=per_rank"))
+    ok(torchrun(ref, "--checkpoint.dataloader_resume=per_rank"))
     (stock / "dump" / "checkpoint").mkdir(parents=True)
     shutil.copytree(ref / "dump" / "checkpoint" / "step-8", stock / "dump" / "checkpoint" / "step-8")
-    proc = _ok(torchrun(stock, "--checkpoint.no-tier-local"))
+    proc = ok(torchrun(stock, "--checkpoint.no-tier-local"))
     assert "Loading the checkpoint from" in proc.stdout and "[titan_ckpt_plus] tiers on" not in proc.stdout
     _same_losses_from(stock, ref, 9, "losses.jsonl")
     assert not (stock / "local").exists()
@@ -78,7 +73,7 @@ def test_sigkill_mid_training_resumes_bit_exact_from_newest_local_step(reference
     _killed(torchrun(tmp_path, fault="kill_after_step@7:1", loss_log="run1.jsonl"))
     newest = max(e["step"] for e in ckpt_events(tmp_path, "local_commit"))
     assert newest == 6
-    _ok(torchrun(tmp_path, loss_log="run2.jsonl"))
+    ok(torchrun(tmp_path, loss_log="run2.jsonl"))
     rec = _recovery(tmp_path)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 6, 0)
     assert rec["bytes_local"] > 0
@@ -96,7 +91,7 @@ def torn(tmp_path_factory) -> Path:
 def test_step_torn_by_a_kill_is_never_loaded(reference, torn):
     step8 = job_dir(torn) / "step-8"
     assert step8.is_dir() and not (step8 / "COMMIT.json").exists()
-    _ok(torchrun(torn, loss_log="run2.jsonl"))
+    ok(torchrun(torn, loss_log="run2.jsonl"))
     rec = _recovery(torn)
     assert (rec["tier"], rec["step"]) == ("local", 6)
     _same_losses_from(torn, reference, 7, "run2.jsonl")
@@ -105,7 +100,7 @@ def test_step_torn_by_a_kill_is_never_loaded(reference, torn):
 def test_flipped_bytes_fall_back_to_an_older_valid_step(reference, torn):
     flip_byte(job_dir(torn) / "step-12" / "rank-00001.data")
     flip_byte(pfs_step(torn, 12) / "__1_0.distcp")
-    proc = _ok(torchrun(torn, loss_log="run3.jsonl"))
+    proc = ok(torchrun(torn, loss_log="run3.jsonl"))
     rec = _recovery(torn)
     assert (rec["tier"], rec["step"]) == ("local", 10)
     skipped = {(t, s): why for t, s, why in rec["skipped"]}
@@ -118,7 +113,7 @@ def test_changed_dp_degree_skips_local_and_reshards_from_pfs(torn):
     # The previous run saved step 12 again; corrupt its PFS copy so the fallback to an
     # older PFS step is exercised too.
     flip_byte(pfs_step(torn, 12) / "__0_0.distcp")
-    proc = _ok(torchrun(torn, "--checkpoint.exclude_from_loading", "dataloader", nproc=1,
+    proc = ok(torchrun(torn, "--checkpoint.exclude_from_loading", "dataloader", nproc=1,
                         loss_log="run4.jsonl"))
     rec = _recovery(torn)
     assert (rec["tier"], rec["step"], rec["bytes_local"]) == ("pfs", 8, 0)
@@ -127,7 +122,7 @@ def test_changed_dp_degree_skips_local_and_reshards_from_pfs(torn):
 
 
 def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_path):
-    proc = _ok(torchrun(tmp_path, fault="enospc_local_write@4:1,eio_pfs_write@8:0"))
+    proc = ok(torchrun(tmp_path, fault="enospc_local_write@4:1,eio_pfs_write@8:0"))
     failed = {(e["tier"], e["step"]) for e in ckpt_events(tmp_path, "save_failed")}
     assert ("local", 4) in failed and ("pfs", 8) in failed
     assert "No space left on device" in proc.stdout and "training continues" in proc.stdout

@@ -3,7 +3,7 @@ they became known, in the same rows as the training loss, equal to the JSONL."""
 
 import pytest
 
-from harness import ckpt_events, torchrun
+from harness import ckpt_events, ok, output, torchrun
 from wandb_records import history
 
 pytestmark = pytest.mark.e2e
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.e2e
 
 def test_ckpt_metrics_reach_wandb_next_to_the_loss(tmp_path):
     proc = torchrun(tmp_path, "--metrics.enable_wandb")
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    ok(proc)
     (run,) = list((tmp_path / "dump").rglob("run-*.wandb"))
     rows = history(run)
     commits = {r["ckpt/local/committed_step"]: r for r in rows if "ckpt/local/committed_step" in r}
@@ -39,7 +39,7 @@ def test_every_dashboard_panel_plots_a_key_an_offline_run_logs(tmp_path):
     run1 = torchrun_nodes(tmp_path, *args, nproc=1, fault="kill_after_step@7:1", loss_log="run1.jsonl")
     assert any(p.returncode for p in run1)
     run2 = torchrun_nodes(tmp_path, *args, nproc=1, loss_log="run2.jsonl")
-    assert all(p.returncode == 0 for p in run2), run2[0].stdout[-3000:]
+    assert all(p.returncode == 0 for p in run2), output(run2[0])
     files = list((tmp_path / "dump").rglob("run-*.wandb"))
     assert len(files) == 2  # one per incarnation, from the metrics rank
     logged = {k for f in files for row in history(f) for k in row}
