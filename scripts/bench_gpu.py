@@ -13,7 +13,9 @@
    median), the plugin against stock torchtitan `async` and `async_with_pinned_mem`;
 3. the plugin's time to a durable local commit against the bytes over this machine's
    fsync'd write bandwidth;
-4. step time while the background write runs against undisturbed steps.
+4. step time while the background write runs against undisturbed steps;
+5. the host memory the plugin pins for staging against the state's bytes (its log line:
+   pinned in place at the state's size, or by torch's allocator at a power of two).
 
 The training runs are torchrun'ed with this file as the trainer (`worker()`): torchtitan's
 Trainer whose checkpointer is timed by `SaveClock`, which saves only once the previous
@@ -26,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -206,11 +209,22 @@ def timed_run(base: Path, mode: str, model: dict, budget_s: float, timeout: int)
                         "--checkpoint.local_keep_latest_k=2", *MODES[mode], nproc=1, module="bench_gpu", digests=False,
                         env={WORKER_ENV: json.dumps(plan)}, timeout=timeout)
         assert proc.returncode == 0, _tail(proc)
-        return summarize(json.loads((work / "clock.json").read_text()), ckpt_events(work, "local_commit"),
-                         ckpt_events(work, "stage"))
+        out = summarize(json.loads((work / "clock.json").read_text()), ckpt_events(work, "local_commit"),
+                        ckpt_events(work, "stage"))
+        return dict(out, staging=_staging_line(proc.stdout))
     finally:  # the disk holds only a few 1B checkpoints
         shutil.rmtree(work / "dump", ignore_errors=True)
         shutil.rmtree(work / "local", ignore_errors=True)
+
+
+def _staging_line(log: str) -> str | None:
+    """The plugin's staging buffer as it logged it: its bytes pinned against the
+    state's, and whether torch sees it pinned (its copies are then one DMA)."""
+    found = re.findall(r"staging buffer: (\d+) bytes of state, (\d+) bytes pinned \(([^)]*)\)", log)
+    if not found:
+        return None
+    state, pinned, how = found[-1]
+    return f"{int(pinned) / 2**20:.1f} MiB pinned for {int(state) / 2**20:.1f} MiB = {int(pinned) / int(state):.3f}x ({how})"
 
 
 def _median(xs: list) -> float | None:
@@ -286,9 +300,16 @@ def table(r: dict) -> str:
         f"| 4. step during the background write / undisturbed | {_s(p.get('background'))} / "
         f"{_s(p.get('undisturbed'))} | {_s(a.get('background'))} / {_s(a.get('undisturbed'))} | "
         f"{_s(pin.get('background'))} / {_s(pin.get('undisturbed'))} | | reported |",
+        f"| 5. host memory pinned for staging / state bytes | {p.get('staging') or '-'} | | | <= 1.1x | "
+        f"{_met(_pinned_ok(p.get('staging')))} |",
     ]
     rows += [f"| {k} | {r[k]} | | | | |" for k in ("limits", *MODES) if isinstance(r.get(k), str)]
     return "\n".join(rows)
+
+
+def _pinned_ok(line: str | None) -> bool | None:
+    m = re.search(r"= ([0-9.]+)x", line or "")
+    return None if m is None else float(m.group(1)) <= 1.1
 
 
 def notes(r: dict, model: dict) -> str:

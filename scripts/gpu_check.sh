@@ -5,7 +5,7 @@
 # travel, and runs scripts/bench_gpu.py, which prints one table (resume bit-exact on
 # CUDA; per save, blocked time and step time lost, plugin vs stock async and
 # async_with_pinned_mem on the 1B flavor; time to a durable local commit vs the fsync'd
-# write bandwidth; steps during the background write) and writes it into this copy's
+# write bandwidth; steps during the background write; host memory pinned for staging) and writes it into this copy's
 # BENCHMARKS.md ("## GPU") and $OUT/gpu_section.md. Nothing is written off a GPU.
 #
 # Here, before the call (needs the package registry; .whl/ is ignored):

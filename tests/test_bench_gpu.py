@@ -51,3 +51,27 @@ def test_saves_only_after_the_background_work_and_two_undisturbed_steps(tmp_path
     assert summary["saves"] == 1 and summary["clock"] == "host clock" and summary["lost"] is not None
     body = bench_gpu.table({"plugin": summary, "resume": "not run"})
     assert "| 2. training thread blocked per save" in body and "not measured" in body
+
+
+def test_the_table_reads_the_pinned_bytes_from_the_staging_buffers_own_log_line(caplog, monkeypatch):
+    """Row 5 is parsed from the line HostBuffer logs when it pins (here with a stand-in
+    for cudaHostRegister, and with it failing: torch's allocator's power of two)."""
+    import logging
+
+    import torch
+
+    from titan_ckpt_plus import staging
+
+    n = (5 << 20) + 7
+    with caplog.at_level(logging.INFO, logger="titan_ckpt_plus"):
+        staging.HostBuffer(pin=True, register=lambda buf: (lambda: None)).ensure(n)
+    line = bench_gpu._staging_line(caplog.text)
+    assert line.startswith("5.0 MiB pinned for 5.0 MiB = 1.000x (in place") and bench_gpu._pinned_ok(line)
+
+    caplog.clear()
+    monkeypatch.setattr(staging, "allocator_pinned", lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
+    with caplog.at_level(logging.INFO, logger="titan_ckpt_plus"):
+        staging.HostBuffer(pin=True, register=lambda buf: 1 / 0).ensure(n)
+    line = bench_gpu._staging_line(caplog.text)
+    assert line.startswith("8.0 MiB pinned for 5.0 MiB = 1.600x (by torch") and not bench_gpu._pinned_ok(line)
+    assert "| 5. host memory pinned for staging" in bench_gpu.table({"plugin": {"staging": line}})

@@ -330,6 +330,40 @@ def test_the_unpinned_staging_buffer_is_backed_by_huge_pages():
     assert hb.ensure(1 << 20).data_ptr() == buf.data_ptr()  # kept while big enough
 
 
+def test_the_pinned_staging_buffer_is_registered_at_its_own_size_and_unpinned_when_replaced(monkeypatch):
+    """On a GPU the buffer is our own memory pinned in place (cudaHostRegister, here a
+    stand-in that records the calls): exactly the state's bytes, not torch's pinned
+    allocator's next power of two. A larger state pins a new buffer before unpinning
+    the old; release() unpins; a failed registration falls back to the allocator."""
+    from titan_ckpt_plus import staging
+
+    calls = []
+
+    def register(buf):
+        calls.append(("pin", buf.data_ptr(), buf.numel()))
+        return lambda: calls.append(("unpin", buf.data_ptr()))
+
+    n = (3 << 20) + 12345  # 3.01 MiB: torch's pinned allocator would pin 4 MiB
+    hb = staging.HostBuffer(pin=True, register=register)
+    first = hb.ensure(n)
+    assert calls == [("pin", first.data_ptr(), n)] and first.numel() == n
+    assert first.data_ptr() % staging.HUGE_PAGE == 0
+    assert hb.ensure(n - 1).data_ptr() == first.data_ptr() and len(calls) == 1  # kept while big enough
+    second = hb.ensure(2 * n)
+    assert calls[1:] == [("pin", second.data_ptr(), 2 * n), ("unpin", first.data_ptr())]
+    hb.release()
+    hb.release()  # once only
+    assert calls[3:] == [("unpin", second.data_ptr())]
+
+    def refuse(buf):
+        raise RuntimeError("cudaHostRegister returned cudaErrorNotSupported")
+
+    monkeypatch.setattr(staging, "allocator_pinned", lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
+    fallback = staging.HostBuffer(pin=True, register=refuse)
+    assert fallback.ensure(n).numel() == n
+    fallback.release()  # nothing of ours to unpin
+
+
 def test_a_part_is_synced_whole_before_any_file_is_named_and_the_marker_syncs_the_names(tmp_path, monkeypatch):
     """A part's three files are fsync'd before the first is renamed into place, the
     manifest is renamed last, and nothing is named after a failed write. The part's
@@ -401,3 +435,41 @@ def test_staging_progress_never_runs_ahead_of_the_copied_bytes():
     biggest = max(e.frame[1] - e.frame[0] for e in layout.entries) + staging.ALIGN
     assert files.FIRST_CHUNK <= seen[0] < files.FIRST_CHUNK + biggest
     assert staging.COPY_GROUP <= seen[1] - seen[0] < staging.COPY_GROUP + biggest
+
+
+def test_cuda_registration_runs_on_its_own_thread_on_the_ranks_device(monkeypatch):
+    """cudaHostRegister (a stand-in cudart here) is called with the buffer's own
+    address and size, portable, on a thread that first selects the calling thread's
+    device, so a failure's last-error stays off the training thread; a failure raises
+    (HostBuffer then falls back); the returned callable unregisters the same address."""
+    import threading
+
+    from titan_ckpt_plus import staging
+
+    calls, main = [], threading.get_ident()
+
+    class Cudart:
+        result = 0
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size, flags, threading.get_ident() != main, device[threading.get_ident()]))
+            return self.result
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr, threading.get_ident() != main, device[threading.get_ident()]))
+            return 0
+
+    device = {main: 3}
+    cudart = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[threading.get_ident()])
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: device.__setitem__(threading.get_ident(), d))
+    buf = staging.huge_page_buffer(1 << 20)
+    unpin = staging.register_with_cuda(buf)
+    assert calls == [("register", buf.data_ptr(), 1 << 20, 1, True, 3)]
+    unpin()
+    assert calls[1:] == [("unregister", buf.data_ptr(), True, 3)]
+    cudart.result = 801  # cudaErrorNotSupported
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 1048576 bytes returned 801"):
+        staging.register_with_cuda(buf)
+    assert device[main] == 3

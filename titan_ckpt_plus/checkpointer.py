@@ -423,6 +423,7 @@ class TieredCheckpointer:
         self._write_q.put(None)
         self._writer.join()
         self.drain.close()
+        self.buffer.release()
         if self._ended:
             self.pfs.release_spares()
 

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import io
 import json
+import logging
 import math
 import mmap
 import pickle
@@ -33,6 +34,8 @@ from torch.distributed.tensor import DTensor
 
 from titan_ckpt_plus.device_copy import Copy
 from titan_ckpt_plus.tiers.files import FIRST_CHUNK, PAGE, checksum
+
+log = logging.getLogger("titan_ckpt_plus")
 
 ALIGN = 64
 _PLAIN = (int, float, str, bytes, bool, type(None))
@@ -286,25 +289,89 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return raw[skip : skip + nbytes]
 
 
-class HostBuffer:
-    """A reusable host buffer; grows when the state grows, pinned when a GPU is used."""
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 
-    def __init__(self, pin: bool) -> None:
+
+def register_with_cuda(buf: torch.Tensor):
+    """Pin `buf` for the GPU's copy engine at its own size (cudaHostRegister), so a
+    device-to-host copy into it is one DMA; returns what unpins it. torch's pinned
+    allocator rounds every allocation up to a power of two: 12 GiB of state per rank
+    would pin 16 GiB, and 8.1 GiB would pin 16."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = buf.data_ptr(), buf.numel()
+    err = _cuda_call(cudart.cudaHostRegister, ptr, nbytes, _PORTABLE)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes returned {err}")
+    return lambda: _cuda_call(cudart.cudaHostUnregister, ptr)
+
+
+def _cuda_call(fn, *args):
+    """fn(*args) on a thread of its own, on this thread's device: a failed CUDA call
+    leaves its error as its thread's last error, which torch's next kernel launch
+    check on this (the training) thread would report as that kernel's."""
+    device, out = torch.cuda.current_device(), []
+
+    def run() -> None:
+        try:
+            torch.cuda.set_device(device)  # a new thread starts on device 0
+            out.append(fn(*args))
+        except Exception as e:
+            out.append(e)
+
+    t = threading.Thread(target=run, name="ckpt-cuda-pin")
+    t.start()
+    t.join()
+    if isinstance(out[0], Exception):
+        raise out[0]
+    return out[0]
+
+
+def allocator_pinned(nbytes: int) -> torch.Tensor:
+    """`nbytes` from torch's pinned allocator (rounded up to a power of two by it),
+    page-aligned for O_DIRECT: the fallback where registering our own memory fails."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=True)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes]
+
+
+class HostBuffer:
+    """A reusable host buffer, the state's size (in 2 MiB pages, page-aligned for
+    O_DIRECT); grows when the state grows; pinned in place when a GPU is used."""
+
+    def __init__(self, pin: bool, register=register_with_cuda) -> None:
         self.pin = pin
+        self.register = register
         self.data = torch.empty(0, dtype=torch.uint8)
+        self._unpin = None  # undoes the current buffer's registration
         self._views_key: tuple | None = None
         self._views_cache: list[torch.Tensor] = []
 
     def ensure(self, nbytes: int) -> torch.Tensor:
+        """The buffer, at least `nbytes`. Called by save() once the previous save's
+        copy has landed, so no DMA still writes to a buffer this replaces; readers
+        of the old one (a drain) keep its memory alive, unpinned."""
         if self.data.numel() < nbytes:
-            # Page-aligned, so the local write can bypass the page cache (O_DIRECT).
-            if self.pin:  # pinned by CUDA's allocator, which maps it itself
-                raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=True)
-                skip = -raw.data_ptr() % PAGE
-                self.data = raw[skip : skip + nbytes]
-            else:
-                self.data = huge_page_buffer(nbytes)
+            data, unpin = huge_page_buffer(nbytes), None
+            if self.pin:
+                try:
+                    unpin = self.register(data)
+                except Exception as e:
+                    log.warning(f"[titan_ckpt_plus] could not pin the staging buffer in place ({e!r}); "
+                                f"using torch's pinned allocator, which rounds {nbytes} bytes up to a "
+                                "power of two")
+                    data = allocator_pinned(nbytes)
+                pinned = nbytes if unpin else 1 << (nbytes + PAGE - 1).bit_length()  # torch's rounding
+                log.info(f"[titan_ckpt_plus] staging buffer: {nbytes} bytes of state, {pinned} bytes pinned "
+                         f"({'in place' if unpin else 'by torch'}; is_pinned={data.is_pinned()})")
+            self.release()
+            self.data, self._unpin = data, unpin
         return self.data
+
+    def release(self) -> None:
+        """Unpin the buffer (its memory goes when its last view does)."""
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
 
     def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],
                 progress: StagingProgress | None = None, copy: Copy | None = None) -> None:
