@@ -330,11 +330,23 @@ def test_the_unpinned_staging_buffer_is_backed_by_huge_pages():
     assert hb.ensure(1 << 20).data_ptr() == buf.data_ptr()  # kept while big enough
 
 
+def _mapped_in_a_forked_child(addr: int) -> bool:
+    """Whether a child forked now has `addr` mapped (it reads its own /proc/self/maps)."""
+    pid = os.fork()
+    if pid == 0:
+        with open("/proc/self/maps") as f:
+            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
+        os._exit(0 if any(lo <= addr < hi for lo, hi in spans) else 1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
 def test_the_pinned_staging_buffer_is_registered_at_its_own_size_and_unpinned_when_replaced(monkeypatch):
     """On a GPU the buffer is our own memory pinned in place (cudaHostRegister, here a
     stand-in that records the calls): exactly the state's bytes, not torch's pinned
     allocator's next power of two. A larger state pins a new buffer before unpinning
-    the old; release() unpins; a failed registration falls back to the allocator."""
+    the old; a forked child (a dataloader worker) does not inherit it, where Linux
+    would copy its pinned pages; release() unpins; a failed registration falls back
+    to the allocator."""
     from titan_ckpt_plus import staging
 
     calls = []
@@ -351,6 +363,8 @@ def test_the_pinned_staging_buffer_is_registered_at_its_own_size_and_unpinned_wh
     assert hb.ensure(n - 1).data_ptr() == first.data_ptr() and len(calls) == 1  # kept while big enough
     second = hb.ensure(2 * n)
     assert calls[1:] == [("pin", second.data_ptr(), 2 * n), ("unpin", first.data_ptr())]
+    assert _mapped_in_a_forked_child(second.data_ptr()) is False  # pinned pages are not copied at a fork
+    assert _mapped_in_a_forked_child(staging.HostBuffer(pin=False).ensure(n).data_ptr()) is True
     hb.release()
     hb.release()  # once only
     assert calls[3:] == [("unpin", second.data_ptr())]

@@ -271,21 +271,24 @@ class StagingProgress:
 HUGE_PAGE = 2 << 20
 
 
-def huge_page_buffer(nbytes: int) -> torch.Tensor:
+def huge_page_buffer(nbytes: int, inherit: bool = True) -> torch.Tensor:
     """`nbytes` of fresh anonymous memory on a 2 MiB boundary, advised to Linux for
     transparent huge pages (where it has them). An O_DIRECT write pins every
     page of its buffer in the kernel: 2 MiB pages cost a third of the CPU time 4 KiB
     pages do (36 MiB: 0.6 ms against 2.0 here), time the training ranks' cores pay.
     Its own private mapping: memory the allocator reuses has its small pages already
     (the advice only shapes pages not yet touched), and shared anonymous memory is
-    shmem, whose huge pages are off by default."""
+    shmem, whose huge pages are off by default. Not `inherit`: a forked child (a
+    dataloader worker) does not get the mapping, where Linux would copy every pinned
+    page of it into the child at the fork."""
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds `mm` alive
     skip = -raw.data_ptr() % HUGE_PAGE
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # not Linux, or a kernel without THP
-        pass
+    for advice in (("MADV_HUGEPAGE",) if inherit else ("MADV_HUGEPAGE", "MADV_DONTFORK")):
+        try:
+            mm.madvise(getattr(mmap, advice))
+        except (AttributeError, OSError):  # not Linux, or a kernel without THP
+            pass
     return raw[skip : skip + nbytes]
 
 
@@ -351,7 +354,7 @@ class HostBuffer:
         copy has landed, so no DMA still writes to a buffer this replaces; readers
         of the old one (a drain) keep its memory alive, unpinned."""
         if self.data.numel() < nbytes:
-            data, unpin = huge_page_buffer(nbytes), None
+            data, unpin = huge_page_buffer(nbytes, inherit=not self.pin), None
             if self.pin:
                 try:
                     unpin = self.register(data)
