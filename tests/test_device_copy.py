@@ -411,6 +411,65 @@ def test_nccl_replication_moves_parts_in_chunks_through_one_reused_device_buffer
         assert wires[r]._dev_buf.numel() == 1000
 
 
+@pytest.mark.parametrize("device", [None, "cpu"], ids=["gloo", "nccl-path"])
+def test_a_replica_streams_to_its_file_through_one_reused_chunk_and_a_bad_one_leaves_nothing(
+        monkeypatch, tmp_path, device):
+    """Replication's receive side with a sink (the LocalTier's ReplicaSink): each
+    rank's replica of the other's part reaches its file byte for byte, while the data
+    only ever lands in one reused host buffer of one chunk (no part is whole in host
+    memory). A part whose data does not match its manifest is refused after the
+    exchange, and none of its files is left, not even under a temporary name."""
+    import json
+
+    from titan_ckpt_plus import replication
+    from titan_ckpt_plus.replication import Part, Wire, check_part
+    from titan_ckpt_plus.tiers import files
+    from titan_ckpt_plus.tiers.local import LocalTier
+
+    net = Loopback()
+    monkeypatch.setattr(replication, "CHUNK", 8192)
+    monkeypatch.setattr(replication.dist, "P2POp", net.op)
+    monkeypatch.setattr(replication.dist, "batch_isend_irecv", net.batch)
+    g = torch.Generator().manual_seed(7)
+    datas = [torch.randint(0, 256, (5 * 8192 + 123 * (r + 1),), generator=g, dtype=torch.uint8).numpy()
+             for r in (0, 1)]
+    parts = []
+    for r, data in enumerate(datas):
+        entry = files.entry(data)
+        if r == 1:
+            entry[files.SUM] ^= 1  # rank 1's manifest does not match its bytes
+        manifest = json.dumps({"job_id": "J", "step": 4, "rank": r, "world_size": 2, "layout_tag": {},
+                               "files": {"data": entry, "layout": files.entry(b"L%d" % r)}}).encode()
+        parts.append(Part(manifest, b"L%d" % r, data))
+    tiers = [LocalTier(str(tmp_path / f"node{r}"), r, 2, True, 2, job_id="J") for r in (0, 1)]
+    wires = [Wire(None, device=torch.device(device) if device else None) for _ in (0, 1)]
+    got = {}
+
+    def rank(r):
+        net.rank.r = r
+        src = 1 - r
+        try:
+            with tiers[r].receive_replica(4, src) as sink:
+                part, why = wires[r].exchange(src, parts[r], src, max_bytes=1 << 20, sink=sink.write)
+                check_part(part, src, 4, 2, "J", {}, streamed=sink.entry())
+                sink.finish(part.manifest, part.layout)
+            got[r] = "kept"
+        except files.CorruptCheckpoint as e:
+            got[r] = str(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    manifest, layout, data = tiers[1].read_raw(4, 0)
+    assert got[1] == "kept" and (manifest, layout, bytes(data)) == (parts[0].manifest, b"L0", bytes(datas[0]))
+    assert got[0].startswith("rank 1 step 4 data: size")  # the CRC differs: refused
+    assert os.listdir(tiers[0].step_dir(4)) == []  # nothing kept of it, no temporary file either
+    for w in wires:
+        assert w._chunk.numel() == 8192 and len(w._recv_buf) == 0
+
+
 def test_save_does_not_wait_for_a_drain_still_copying_from_the_buffer(one_rank, tmp_path):
     """A drain writing a piece of the last step from the staging buffer to a slow PFS
     holds its loan; the next save() must return without waiting for it (the copy

@@ -152,6 +152,30 @@ def test_replica_is_stored_under_its_source_rank_and_purged_by_its_holder(tmp_pa
     assert not (tmp_path / "b" / "step-6").exists()
 
 
+def test_a_replica_sink_that_fails_keeps_receiving_and_leaves_no_file(tmp_path, monkeypatch):
+    """A full disk mid-replica: write() swallows the error (the sender is still
+    sending: raising would leave it waiting), entry() raises it once the exchange is
+    over, and the aborted batch leaves no file, temporary or not."""
+    import errno
+
+    holder = LocalTier(str(tmp_path), rank=0, world_size=2, first_on_node=True, keep_latest_k=2, job_id="J")
+    real, calls = files.Appender.write, []
+
+    def write(self, data, crc=True):
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data, crc)
+
+    monkeypatch.setattr(files.Appender, "write", write)
+    with pytest.raises(OSError, match="No space"):
+        with holder.receive_replica(4, 1) as sink:
+            for _ in range(3):
+                sink.write(b"x" * 4096)  # never raises
+            sink.entry()
+    assert calls == [4096, 4096] and os.listdir(holder.step_dir(4)) == []
+
+
 def test_a_held_part_is_checked_against_its_source_ranks_layout_and_this_job(tmp_path):
     """3 ranks, uneven shards: each rank's layout tag differs. A replica of rank 2 held
     by rank 0 is valid when it matches rank 2's tag (not rank 0's); a part or a marker
@@ -364,7 +388,8 @@ def test_the_pinned_staging_buffer_is_registered_at_its_own_size_and_unpinned_wh
     second = hb.ensure(2 * n)
     assert calls[1:] == [("pin", second.data_ptr(), 2 * n), ("unpin", first.data_ptr())]
     assert _mapped_in_a_forked_child(second.data_ptr()) is False  # pinned pages are not copied at a fork
-    assert _mapped_in_a_forked_child(staging.HostBuffer(pin=False).ensure(n).data_ptr()) is True
+    plain = staging.HostBuffer(pin=False).ensure(n)  # held: a freed one is unmapped
+    assert _mapped_in_a_forked_child(plain.data_ptr()) is True
     hb.release()
     hb.release()  # once only
     assert calls[3:] == [("unpin", second.data_ptr())]
@@ -484,6 +509,6 @@ def test_cuda_registration_runs_on_its_own_thread_on_the_ranks_device(monkeypatc
     unpin()
     assert calls[1:] == [("unregister", buf.data_ptr(), True, 3)]
     cudart.result = 801  # cudaErrorNotSupported
-    with pytest.raises(RuntimeError, match="cudaHostRegister of 1048576 bytes returned 801"):
+    with pytest.raises(RuntimeError, match="cudaHostRegister of 1048576 bytes returned CUDA error 801"):
         staging.register_with_cuda(buf)
     assert device[main] == 3

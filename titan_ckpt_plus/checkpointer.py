@@ -627,15 +627,20 @@ class TieredCheckpointer:
         limit = 4 * (own.nbytes() if own else 0) + (64 << 20)
         peers, sources = self.placement.peers(self.s.rank), self.placement.sources(self.s.rank)
         for peer, src in zip(peers, sources):
-            part, why = self.wire.exchange(peer, own, src, limit)
-            try:
-                if part is None:
-                    raise CorruptCheckpoint(why)
-                check_part(part, src, job.step, self.s.world_size, self.s.job_id,
-                           self.s.layout_tags[src])
-                self.local.write_replica(job.step, src, part.manifest, part.layout, part.data)
-                received += part.nbytes()
+            why = None
+            try:  # the source's data goes to its file as it arrives, never whole in memory
+                with self.local.receive_replica(job.step, src) as sink:
+                    part, why = self.wire.exchange(peer, own, src, limit, sink=sink.write)
+                    if part is None:
+                        raise CorruptCheckpoint(why)
+                    data = sink.entry()
+                    check_part(part, src, job.step, self.s.world_size, self.s.job_id,
+                               self.s.layout_tags[src], streamed=data)
+                    sink.finish(part.manifest, part.layout)
+                received += len(part.manifest) + len(part.layout) + data["size"]
             except Exception as e:
+                if why is None:  # the exchange itself failed (its files are gone): not a bad copy
+                    raise
                 ok = False
                 self.record_failure("replica", job.step, f"copy of rank {src}: {e}")
         seconds = time.monotonic() - t0

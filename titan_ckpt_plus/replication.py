@@ -7,10 +7,13 @@ the sizes before allocating, names the files itself, parses the manifest as JSON
 checks sizes and CRC-32C before anything is kept or unpickled.
 
 On gloo the host buffers go on the wire as they are; on NCCL they pass through a
-reused device buffer in chunks, so no part is ever whole in GPU memory.
+reused device buffer in chunks, so no part is ever whole in GPU memory. A replica's
+data is not whole in host memory either: it arrives chunk by chunk in one reused
+buffer and goes on to its file (`sink`), checksummed on the way.
 """
 
 import json
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +30,7 @@ MAX_MANIFEST = 1 << 20
 class Part:
     manifest: bytes
     layout: bytes
-    data: object  # any buffer: numpy array, bytearray, memoryview
+    data: object  # any buffer: numpy array, bytearray, memoryview; None once streamed to a sink
 
     def sizes(self) -> list[int]:
         return [len(self.manifest), len(self.layout), memoryview(self.data).nbytes]
@@ -44,7 +47,9 @@ class Wire:
         self.device = device  # None: gloo, host tensors; else NCCL through this device
         self.reuse = reuse  # False when received parts must outlive the next exchange
         self._dev_buf = None
+        self._dev_in = None
         self._recv_buf = bytearray()
+        self._chunk: torch.Tensor | None = None  # where streamed data lands, chunk by chunk
 
     def _bytes_tensor(self, buf) -> torch.Tensor:
         mv = memoryview(buf).cast("B")
@@ -61,10 +66,23 @@ class Wire:
             return memoryview(self._recv_buf)[:n]
         return memoryview(bytearray(n))
 
-    def _wire(self, n: int) -> torch.Tensor:
-        if self._dev_buf is None or self._dev_buf.numel() < n:
-            self._dev_buf = torch.empty(max(n, CHUNK), dtype=torch.uint8, device=self.device)
-        return self._dev_buf[:n]
+    def _wire(self, n: int, incoming: bool = False) -> torch.Tensor:
+        """A reused device buffer for one chunk, one each way."""
+        buf = self._dev_in if incoming else self._dev_buf
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, CHUNK), dtype=torch.uint8, device=self.device)
+            if incoming:
+                self._dev_in = buf
+            else:
+                self._dev_buf = buf
+        return buf[:n]
+
+    def _landing_chunk(self, n: int) -> torch.Tensor:
+        """The reused host buffer streamed data lands in (page-aligned: its file is
+        written with O_DIRECT)."""
+        if self._chunk is None or self._chunk.numel() < n:
+            self._chunk = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
+        return self._chunk[:n]
 
     def _swap(self, peer_send, values: list[int], peer_recv, n: int) -> list[int] | None:
         """Send `values` to peer_send while receiving n int64s from peer_recv."""
@@ -82,11 +100,13 @@ class Wire:
         return got.cpu().tolist() if peer_recv is not None else None
 
     def exchange(self, peer_send: int | None, part: Part | None, peer_recv: int | None,
-                 max_bytes: int) -> tuple[Part | None, str]:
+                 max_bytes: int, sink=None) -> tuple[Part | None, str]:
         """Send `part` (None: tell the peer we have nothing) to `peer_send` while
         receiving from `peer_recv`. Returns (received part, "") or (None, reason).
         Three steps: sizes, then the receiver's accept/refuse, then the bytes, so a
-        refused part is never sent and both sides stay in step."""
+        refused part is never sent and both sides stay in step. `sink`: the received
+        data goes to sink(chunk) as it arrives (each chunk valid until it returns; it
+        must not raise, or the peer is left waiting) and the part's data is None."""
         sizes = [1, *part.sizes()] if part is not None else [0, 0, 0, 0]
         hin = self._swap(peer_send, sizes, peer_recv, 4)
         why = ""
@@ -99,18 +119,24 @@ class Wire:
         accept = hin is not None and not why
         ack = self._swap(peer_recv, [int(accept)], peer_send, 1)
         send = part is not None and peer_send is not None and bool(ack and ack[0])
-        incoming = [bytearray(hin[1]), bytearray(hin[2]), self._landing(hin[3])] if accept else []
+        incoming = []
+        if accept:
+            data = (hin[3], sink) if sink is not None else self._landing(hin[3])
+            incoming = [bytearray(hin[1]), bytearray(hin[2]), data]
         outgoing = [part.manifest, part.layout, part.data] if send else []
         self._move(peer_send, outgoing, peer_recv, incoming)
         if accept:
-            return Part(bytes(incoming[0]), bytes(incoming[1]), incoming[2]), ""
+            return Part(bytes(incoming[0]), bytes(incoming[1]), None if sink else incoming[2]), ""
         return None, why
 
     def _move(self, peer_send, outgoing, peer_recv, incoming) -> None:
+        """`incoming`: buffers to receive into, or (bytes, sink) to stream to a sink."""
         out_t = [self._bytes_tensor(b) for b in outgoing]
-        in_t = [self._bytes_tensor(b) for b in incoming]
         chunks_out = [(t, i) for t in out_t for i in range(0, t.numel(), CHUNK)]
-        chunks_in = [(t, i) for t in in_t for i in range(0, t.numel(), CHUNK)]
+        chunks_in = []
+        for b in incoming:
+            n, sink = b if isinstance(b, tuple) else (memoryview(b).nbytes, self._bytes_tensor(b))
+            chunks_in += [(sink, i, min(CHUNK, n - i)) for i in range(0, n, CHUNK)]
         for k in range(max(len(chunks_out), len(chunks_in))):
             ops, landing = [], None
             if k < len(chunks_out):
@@ -120,21 +146,25 @@ class Wire:
                     src = self._wire(src.numel()).copy_(src)
                 ops.append(dist.P2POp(dist.isend, src, peer_send, self.pg))
             if k < len(chunks_in):
-                t, i = chunks_in[k]
-                dst = t[i : i + CHUNK]
-                landing = (dst, torch.empty(dst.numel(), dtype=torch.uint8, device=self.device)
-                           if self.device is not None else dst)
-                ops.append(dist.P2POp(dist.irecv, landing[1], peer_recv, self.pg))
+                where, i, n = chunks_in[k]
+                dst = self._landing_chunk(n) if callable(where) else where[i : i + n]
+                landing = (where, dst, self._wire(n, incoming=True) if self.device is not None else dst)
+                ops.append(dist.P2POp(dist.irecv, landing[2], peer_recv, self.pg))
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
-            if landing is not None and self.device is not None:
-                landing[0].copy_(landing[1])
+            if landing is not None:
+                where, dst, got = landing
+                if got is not dst:
+                    dst.copy_(got)
+                if callable(where):
+                    where(memoryview(dst.numpy()))
 
 
 def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,
-               layout_tag: dict) -> dict:
+               layout_tag: dict, streamed: dict | None = None) -> dict:
     """The received part's manifest, if it is this job's part of `rank` at `step`, in
-    the layout `rank` has, and its bytes match it; else CorruptCheckpoint."""
+    the layout `rank` has, and its bytes match it; else CorruptCheckpoint.
+    `streamed`: the size and CRC-32C of data that went to a sink as it arrived."""
     try:
         manifest = json.loads(part.manifest)
         entries = manifest["files"]
@@ -147,5 +177,8 @@ def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,
                 else "manifest's layout differs from that rank's")
         raise files.CorruptCheckpoint(f"rank {rank} step {step}: {what}")
     files.check_bytes(f"rank {rank} step {step} layout", part.layout, entries["layout"])
-    files.check_bytes(f"rank {rank} step {step} data", part.data, entries["data"])
+    if streamed is None:
+        files.check_bytes(f"rank {rank} step {step} data", part.data, entries["data"])
+    else:
+        files.check_entry(f"rank {rank} step {step} data", streamed["size"], streamed[files.SUM], entries["data"])
     return manifest

@@ -304,7 +304,7 @@ def register_with_cuda(buf: torch.Tensor):
     ptr, nbytes = buf.data_ptr(), buf.numel()
     err = _cuda_call(cudart.cudaHostRegister, ptr, nbytes, _PORTABLE)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes returned {err}")
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes returned CUDA error {int(err)}")
     return lambda: _cuda_call(cudart.cudaHostUnregister, ptr)
 
 

@@ -116,8 +116,7 @@ def read_spans(path: str, expect: dict, spans: list, resume: int = 0):
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-    if size != expect.get("size") or crc != expect.get(SUM):
-        raise CorruptCheckpoint(_mismatch(path, size, crc, expect))
+    check_entry(path, size, crc, expect)
 
 
 def _mismatch(name: str, size: int, crc: int, expect: dict) -> str:
@@ -129,13 +128,15 @@ def check_file(path: str, expect: dict) -> None:
     """Raise CorruptCheckpoint unless `path` matches its manifest entry."""
     if not os.path.isfile(path):
         raise CorruptCheckpoint(f"{path}: missing")
-    size, crc = checksum_file(path)
-    if size != expect.get("size") or crc != expect.get(SUM):
-        raise CorruptCheckpoint(_mismatch(path, size, crc, expect))
+    check_entry(path, *checksum_file(path), expect)
 
 
 def check_bytes(name: str, data, expect: dict) -> None:
-    size, crc = memoryview(data).nbytes, checksum(data)
+    check_entry(name, memoryview(data).nbytes, checksum(data), expect)
+
+
+def check_entry(name: str, size: int, crc: int, expect: dict) -> None:
+    """Raise CorruptCheckpoint unless (size, CRC-32C) is what the manifest entry says."""
     if size != expect.get("size") or crc != expect.get(SUM):
         raise CorruptCheckpoint(_mismatch(name, size, crc, expect))
 
@@ -236,9 +237,19 @@ class DurableBatch:
 
     def __init__(self) -> None:
         self._open: list[tuple[int, str, str]] = []  # (fd, temporary name, final name)
+        self._streams: list[Appender] = []
 
     def __enter__(self) -> "DurableBatch":
         return self
+
+    def stream(self, path: str, reuse: str | None = None) -> "Appender":
+        """An Appender for `path` under a temporary name, made durable and named with
+        the batch's other files (a replica written as it arrives); not closed by itself."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        out = Appender(tmp, reuse)
+        self._open.append((out.fd, tmp, path))
+        self._streams.append(out)
+        return out
 
     def write(self, path: str, data, on_chunk=None, before_chunk=None, known_crc=None,
               reuse: str | None = None) -> dict:
@@ -270,6 +281,8 @@ class DurableBatch:
     def __exit__(self, exc_type, *_) -> None:
         try:
             if exc_type is None:
+                for out in self._streams:
+                    _cut_to(out.fd, out.size)
                 for fd, _, _ in self._open:
                     os.fsync(fd)
         finally:

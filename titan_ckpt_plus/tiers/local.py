@@ -22,6 +22,7 @@ another rank of the node is still reading. Steps directly under `<local_folder>`
 written before job identities existed: no job loads them.
 """
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -289,6 +290,45 @@ def others_note(local_folder: str, job_id: str) -> str:
             f"`titan-ckpt clean {local_folder}` (--dry-run first)")
 
 
+class ReplicaSink:
+    """Where a received replica's data goes, chunk by chunk, under its final name's
+    temporary one; its size and CRC-32C kept on the way. write() never raises: the
+    sender is still sending, and a receiver that stopped would leave it waiting; the
+    first error is kept, and raised by entry()."""
+
+    def __init__(self, tier: "LocalTier", batch: files.DurableBatch, step: int, rank: int) -> None:
+        self.tier, self.batch, self.step, self.rank = tier, batch, step, rank
+        self.out: files.Appender | None = None
+        self.error: OSError | None = None
+
+    def write(self, chunk) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.out is None:
+                os.makedirs(self.tier.step_dir(self.step), exist_ok=True)
+                self.out = self.batch.stream(self.tier._part(self.step, "data", self.rank),
+                                             reuse=self.tier._spare(self.rank))
+            self.out.write(chunk)
+        except OSError as e:
+            self.error = e
+
+    def entry(self) -> dict:
+        """The data's manifest entry as written."""
+        if self.error is not None:
+            raise self.error
+        if self.out is None:  # no data: an empty file
+            self.write(b"")
+            return self.entry()
+        return {"size": self.out.size, files.SUM: self.out.crc}
+
+    def finish(self, manifest: bytes, layout: bytes) -> None:
+        """The layout and, last, the manifest, made durable with the data."""
+        self.tier._drop_stale(self.step, [self.rank])
+        self.batch.write(self.tier._part(self.step, "layout", self.rank), layout)
+        self.batch.write(self.tier._part(self.step, "json", self.rank), manifest)
+
+
 class LocalTier:
     """One job's steps on this node: `root` is the job's subfolder (job_dir)."""
 
@@ -335,12 +375,18 @@ class LocalTier:
 
     def write_replica(self, step: int, rank: int, manifest: bytes, layout: bytes, data) -> None:
         """Store a verified copy of another rank's part under that rank's file names."""
-        os.makedirs(self.step_dir(step), exist_ok=True)
-        self._drop_stale(step, [rank])
+        with self.receive_replica(step, rank) as sink:
+            sink.write(memoryview(data).cast("B"))
+            sink.entry()
+            sink.finish(manifest, layout)
+
+    @contextlib.contextmanager
+    def receive_replica(self, step: int, rank: int):
+        """A copy of another rank's part written as it arrives: yields a ReplicaSink
+        (the Wire's sink), `finish`ed with the part's manifest and layout once they
+        are checked; made durable on a clean exit, removed on an exception."""
         with files.DurableBatch() as batch:
-            batch.write(self._part(step, "data", rank), data, reuse=self._spare(rank))
-            batch.write(self._part(step, "layout", rank), layout)
-            batch.write(self._part(step, "json", rank), manifest)
+            yield ReplicaSink(self, batch, step, rank)
 
     def _drop_stale(self, step: int, ranks: list[int]) -> None:
         """A step number saved again (after a restart from an older step) must not
