@@ -135,8 +135,8 @@ class Wire:
         chunks_out = [(t, i) for t in out_t for i in range(0, t.numel(), CHUNK)]
         chunks_in = []
         for b in incoming:
-            n, sink = b if isinstance(b, tuple) else (memoryview(b).nbytes, self._bytes_tensor(b))
-            chunks_in += [(sink, i, min(CHUNK, n - i)) for i in range(0, n, CHUNK)]
+            n, where = b if isinstance(b, tuple) else (memoryview(b).nbytes, self._bytes_tensor(b))
+            chunks_in += [(where, i, min(CHUNK, n - i)) for i in range(0, n, CHUNK)]
         for k in range(max(len(chunks_out), len(chunks_in))):
             ops, landing = [], None
             if k < len(chunks_out):

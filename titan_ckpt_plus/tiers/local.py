@@ -299,7 +299,7 @@ class ReplicaSink:
     def __init__(self, tier: "LocalTier", batch: files.DurableBatch, step: int, rank: int) -> None:
         self.tier, self.batch, self.step, self.rank = tier, batch, step, rank
         self.out: files.Appender | None = None
-        self.error: OSError | None = None
+        self.error: Exception | None = None
 
     def write(self, chunk) -> None:
         if self.error is not None:
@@ -310,7 +310,7 @@ class ReplicaSink:
                 self.out = self.batch.stream(self.tier._part(self.step, "data", self.rank),
                                              reuse=self.tier._spare(self.rank))
             self.out.write(chunk)
-        except OSError as e:
+        except Exception as e:  # a full disk, a bad path: raised by entry(), after the exchange
             self.error = e
 
     def entry(self) -> dict:
