@@ -133,6 +133,14 @@ def test_resaving_a_step_drops_the_old_commit_first(tmp_path):
     assert not os.path.exists(os.path.join(tier.step_dir(5), COMMIT))
 
 
+def _store_replica(holder: LocalTier, step: int, rank: int, manifest: bytes, layout: bytes, data) -> None:
+    """What replication does with a received part: streamed through the holder's sink."""
+    with holder.receive_replica(step, rank) as sink:
+        sink.write(memoryview(data).cast("B"))
+        sink.entry()
+        sink.finish(manifest, layout)
+
+
 def test_replica_is_stored_under_its_source_rank_and_purged_by_its_holder(tmp_path):
     src = LocalTier(str(tmp_path / "a"), rank=2, world_size=4, first_on_node=True, keep_latest_k=2,
                     job_id="J")
@@ -140,13 +148,13 @@ def test_replica_is_stored_under_its_source_rank_and_purged_by_its_holder(tmp_pa
     manifest, _ = src.write_part(6, data.numpy(), lambda: (layout.to_bytes(), {"layout_tag": {"m": 1}}))
     holder = LocalTier(str(tmp_path / "b"), rank=0, world_size=4, first_on_node=True, keep_latest_k=2,
                        job_id="J")
-    holder.write_replica(6, 2, *src.read_raw(6))
+    _store_replica(holder, 6, 2, *src.read_raw(6))
     assert holder.read_raw(6, 2)[0] == manifest
     holder.commit(6, {})
     assert holder.held_parts([{"m": 1}] * 4) == {6: [2]}
     assert holder.read_part(6, 2)[2] == src.read_part(6)[2]
     for s in (8, 10):
-        holder.write_replica(s, 2, *src.read_raw(6))
+        _store_replica(holder, s, 2, *src.read_raw(6))
         holder.commit(s, {})
     holder.purge(protected=set(), held=[2])
     assert not (tmp_path / "b" / "step-6").exists()
@@ -190,8 +198,8 @@ def test_a_held_part_is_checked_against_its_source_ranks_layout_and_this_job(tmp
     holder = LocalTier(str(tmp_path / "holder"), rank=0, world_size=3, first_on_node=True,
                        keep_latest_k=2, job_id="J")
     _write(holder, 6, _state(), tag=tags[0])
-    holder.write_replica(6, 2, *src.read_raw(6))
-    holder.write_replica(6, 1, *other.read_raw(6))  # another job's part, same step number
+    _store_replica(holder, 6, 2, *src.read_raw(6))
+    _store_replica(holder, 6, 1, *other.read_raw(6))  # another job's part, same step number
     holder.commit(6, {})
     assert holder.held_parts(tags) == {6: [0, 2]}
     assert holder.held_parts([tags[0]] * 3) == {6: [0]}  # the holder's own tag: rank 2 rejected

@@ -315,11 +315,10 @@ class ReplicaSink:
 
     def entry(self) -> dict:
         """The data's manifest entry as written."""
-        if self.error is not None:
-            raise self.error
         if self.out is None:  # no data: an empty file
             self.write(b"")
-            return self.entry()
+        if self.error is not None:
+            raise self.error
         return {"size": self.out.size, files.SUM: self.out.crc}
 
     def finish(self, manifest: bytes, layout: bytes) -> None:
@@ -372,13 +371,6 @@ class LocalTier:
             raw = files.json_bytes(manifest)
             batch.write(self._part(step, "json"), raw)
         return raw, layout_bytes
-
-    def write_replica(self, step: int, rank: int, manifest: bytes, layout: bytes, data) -> None:
-        """Store a verified copy of another rank's part under that rank's file names."""
-        with self.receive_replica(step, rank) as sink:
-            sink.write(memoryview(data).cast("B"))
-            sink.entry()
-            sink.finish(manifest, layout)
 
     @contextlib.contextmanager
     def receive_replica(self, step: int, rank: int):
