@@ -1,11 +1,11 @@
 """Replication benchmark, in one run on this machine:
 
 1. transport: the plugin's replica exchange (sizes, accept, chunked bytes, both
-   directions at once) against raw gloo isend/irecv of the same bytes between the
-   same two processes; also the whole replica path (exchange streamed to its file,
-   CRC-checked, fsync'd: what replication does) against raw send/recv plus an
-   fsync'd write of the bytes; and the host memory a receive holds, streamed against
-   landing whole (the path before);
+   directions at once, the data streamed through one reused chunk, here to no file)
+   against raw gloo isend/irecv of the same bytes between the same two processes;
+   also the whole replica path (streamed to its file, CRC-checked, fsync'd: what
+   replication does) against raw send/recv plus an fsync'd write of the bytes; and
+   the host memory a receive holds, streamed against landing whole (the path before);
 2. restart to first step on two simulated nodes (2 torchrun agents x 2 ranks,
    debugmodel), recovering from own disk, from a neighbor, and from the PFS, with
    the bytes read from each tier.
@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmd import record_targets, update_section  # noqa: E402
 from harness import ckpt_events, events, free_port, torchrun_nodes  # noqa: E402
+from titan_ckpt_plus.replication import CHUNK  # noqa: E402
 
 SECTION = "## Replication and recovery"
 
@@ -95,7 +96,7 @@ def _worker(rank: int, port: int, nbytes: int, folder: str, out) -> None:
         raw_disk.append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
-        wire.exchange(peer, part, peer, 4 * nbytes)
+        wire.exchange(peer, part, peer, 4 * nbytes, sink=lambda chunk: None)  # replication's path, no disk
         ours.append(time.perf_counter() - t0)
         dist.barrier()
         t0 = time.perf_counter()
@@ -142,12 +143,6 @@ def restarts(base: Path) -> list[dict]:
     return rows
 
 
-def replication_chunk() -> int:
-    from titan_ckpt_plus.replication import CHUNK
-
-    return CHUNK
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256)  # more than a chunk: what a receive holds shows
@@ -168,7 +163,7 @@ def main() -> None:
         f"(no CRC) | {mbps(t['ours_disk']):.0f} MiB/s | {t['raw_disk'] / t['ours_disk']:.2f} |", "",
         f"Host memory a receive held beyond the process's before it (peak, rank 0's first receive): streamed "
         f"to its file {t['held_streamed'] / 2**20:.0f} MiB (one landing chunk of "
-        f"{replication_chunk() >> 20} MiB), landing whole then written (the path before) "
+        f"{CHUNK >> 20} MiB), landing whole then written (the path before) "
         f"{t['held_whole'] / 2**20:.0f} MiB, for a part of {args.mib} MiB.", "",
         "Restart to first training step, 2 simulated nodes x 2 ranks, debugmodel, killed after "
         "step 7 (local step 6 committed with replicas, PFS step 4):", "",

@@ -464,7 +464,7 @@ class TieredCheckpointer:
         """This rank's part of `step`: from its node folder, or sent by a holder.
         Every rank walks `plan` in the same order, so the transfers pair up."""
         me, part, why = self.s.rank, None, ""
-        wire = Wire(self.commit_pg, reuse=False)
+        wire = Wire(self.commit_pg)
         limit = shutil.disk_usage(self.local.root).free + (1 << 30)
         for holder, receiver in plan:
             if me == holder:

@@ -42,13 +42,11 @@ class Part:
 class Wire:
     """Point-to-point transfers of parts on one process group."""
 
-    def __init__(self, pg, device: torch.device | None = None, reuse: bool = True) -> None:
+    def __init__(self, pg, device: torch.device | None = None) -> None:
         self.pg = pg
         self.device = device  # None: gloo, host tensors; else NCCL through this device
-        self.reuse = reuse  # False when received parts must outlive the next exchange
         self._dev_buf = None
         self._dev_in = None
-        self._recv_buf = bytearray()
         self._chunk: torch.Tensor | None = None  # where streamed data lands, chunk by chunk
 
     def _bytes_tensor(self, buf) -> torch.Tensor:
@@ -56,15 +54,6 @@ class Wire:
         if mv.readonly:  # manifests and layouts: small, copy them rather than alias
             mv = memoryview(bytearray(mv))
         return torch.frombuffer(mv, dtype=torch.uint8) if len(mv) else torch.empty(0, dtype=torch.uint8)
-
-    def _landing(self, n: int) -> memoryview:
-        """The received data lands in one reused host buffer (fresh pages cost as much
-        as the transfer): a received part is valid until the next exchange."""
-        if self.reuse:
-            if len(self._recv_buf) < n:
-                self._recv_buf = bytearray(n)
-            return memoryview(self._recv_buf)[:n]
-        return memoryview(bytearray(n))
 
     def _wire(self, n: int, incoming: bool = False) -> torch.Tensor:
         """A reused device buffer for one chunk, one each way."""
@@ -106,7 +95,8 @@ class Wire:
         Three steps: sizes, then the receiver's accept/refuse, then the bytes, so a
         refused part is never sent and both sides stay in step. `sink`: the received
         data goes to sink(chunk) as it arrives (each chunk valid until it returns; it
-        must not raise, or the peer is left waiting) and the part's data is None."""
+        must not raise, or the peer is left waiting) and the part's data is None; else
+        it lands whole in a new buffer (recovery, which loads it)."""
         sizes = [1, *part.sizes()] if part is not None else [0, 0, 0, 0]
         hin = self._swap(peer_send, sizes, peer_recv, 4)
         why = ""
@@ -119,24 +109,22 @@ class Wire:
         accept = hin is not None and not why
         ack = self._swap(peer_recv, [int(accept)], peer_send, 1)
         send = part is not None and peer_send is not None and bool(ack and ack[0])
-        incoming = []
+        kept, incoming = [], []  # what lands whole here (the manifest, the layout, unsunk data)
         if accept:
-            data = (hin[3], sink) if sink is not None else self._landing(hin[3])
-            incoming = [bytearray(hin[1]), bytearray(hin[2]), data]
+            kept = [bytearray(hin[1]), bytearray(hin[2])] + ([] if sink else [bytearray(hin[3])])
+            incoming = [(len(b), self._bytes_tensor(b)) for b in kept] + ([(hin[3], sink)] if sink else [])
         outgoing = [part.manifest, part.layout, part.data] if send else []
         self._move(peer_send, outgoing, peer_recv, incoming)
         if accept:
-            return Part(bytes(incoming[0]), bytes(incoming[1]), None if sink else incoming[2]), ""
+            return Part(bytes(kept[0]), bytes(kept[1]), None if sink else kept[2]), ""
         return None, why
 
     def _move(self, peer_send, outgoing, peer_recv, incoming) -> None:
-        """`incoming`: buffers to receive into, or (bytes, sink) to stream to a sink."""
+        """`incoming`: (bytes, where) in order, `where` a tensor to receive into or a
+        sink the bytes are streamed to through one reused chunk."""
         out_t = [self._bytes_tensor(b) for b in outgoing]
         chunks_out = [(t, i) for t in out_t for i in range(0, t.numel(), CHUNK)]
-        chunks_in = []
-        for b in incoming:
-            n, where = b if isinstance(b, tuple) else (memoryview(b).nbytes, self._bytes_tensor(b))
-            chunks_in += [(where, i, min(CHUNK, n - i)) for i in range(0, n, CHUNK)]
+        chunks_in = [(where, i, min(CHUNK, n - i)) for n, where in incoming for i in range(0, n, CHUNK)]
         for k in range(max(len(chunks_out), len(chunks_in))):
             ops, landing = [], None
             if k < len(chunks_out):
