@@ -55,7 +55,8 @@ def test_saves_only_after_the_background_work_and_two_undisturbed_steps(tmp_path
 
 def test_the_table_reads_the_pinned_bytes_from_the_staging_buffers_own_log_line(caplog, monkeypatch):
     """Row 5 is parsed from the line HostBuffer logs when it pins (here with a stand-in
-    for cudaHostRegister, and with it failing: torch's allocator's power of two)."""
+    for cudaHostRegister, and with it failing: torch's allocator's power of two). Met
+    only where torch sees the buffer pinned, which a CPU run never does."""
     import logging
 
     import torch
@@ -65,13 +66,16 @@ def test_the_table_reads_the_pinned_bytes_from_the_staging_buffers_own_log_line(
     n = (5 << 20) + 7
     with caplog.at_level(logging.INFO, logger="titan_ckpt_plus"):
         staging.HostBuffer(pin=True, register=lambda buf: (lambda: None)).ensure(n)
-    line = bench_gpu._staging_line(caplog.text)
-    assert line.startswith("5.0 MiB pinned for 5.0 MiB = 1.000x (in place") and bench_gpu._pinned_ok(line)
+    st = bench_gpu._staging(caplog.text)
+    assert st == {"state": n, "pinned": n, "how": "in place", "is_pinned": False}
+    assert bench_gpu._staging_cell(st).startswith("5.0 MiB pinned for 5.0 MiB = 1.000x (in place")
+    assert bench_gpu._staging_ok(st) is False and bench_gpu._staging_ok(dict(st, is_pinned=True)) is True
 
     caplog.clear()
     monkeypatch.setattr(staging, "allocator_pinned", lambda nbytes: torch.zeros(nbytes, dtype=torch.uint8))
     with caplog.at_level(logging.INFO, logger="titan_ckpt_plus"):
         staging.HostBuffer(pin=True, register=lambda buf: 1 / 0).ensure(n)
-    line = bench_gpu._staging_line(caplog.text)
-    assert line.startswith("8.0 MiB pinned for 5.0 MiB = 1.600x (by torch") and not bench_gpu._pinned_ok(line)
-    assert "| 5. host memory pinned for staging" in bench_gpu.table({"plugin": {"staging": line}})
+    st = bench_gpu._staging(caplog.text)
+    assert bench_gpu._staging_cell(st).startswith("8.0 MiB pinned for 5.0 MiB = 1.600x (by torch")
+    assert bench_gpu._staging_ok(dict(st, is_pinned=True)) is False
+    assert "| 5. host memory pinned for staging" in bench_gpu.table({"plugin": {"staging": st}})
