@@ -362,14 +362,35 @@ def test_the_unpinned_staging_buffer_is_backed_by_huge_pages():
     assert hb.ensure(1 << 20).data_ptr() == buf.data_ptr()  # kept while big enough
 
 
-def _mapped_in_a_forked_child(addr: int) -> bool:
-    """Whether a child forked now has `addr` mapped (it reads its own /proc/self/maps)."""
-    pid = os.fork()
-    if pid == 0:
-        with open("/proc/self/maps") as f:
-            spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
-        os._exit(0 if any(lo <= addr < hi for lo, hi in spans) else 1)
-    return os.waitpid(pid, 0)[1] == 0
+_FORK_CHECK = r"""
+import json, os, sys
+from titan_ckpt_plus import staging
+n = int(sys.argv[1])
+bufs = {"pinned": staging.HostBuffer(pin=True, register=lambda buf: lambda: None).ensure(n),
+        "plain": staging.HostBuffer(pin=False).ensure(n)}  # held: a freed one is unmapped
+pid = os.fork()
+if pid == 0:  # the child reads its own maps and answers in its exit code
+    with open("/proc/self/maps") as f:
+        spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
+    seen = [any(lo <= b.data_ptr() < hi for lo, hi in spans) for b in bufs.values()]
+    os._exit(10 + 2 * seen[0] + seen[1])
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps({"child exit": code} if not 10 <= code < 14 else
+                 {"pinned": bool((code - 10) & 2), "plain": bool((code - 10) & 1)}))
+"""
+
+
+def _mapped_in_a_forked_child(nbytes: int) -> dict:
+    """Which of a pinned and an unpinned staging buffer a forked child has mapped.
+    Forked from a fresh interpreter: a fork of pytest's own process, with the
+    threads and at-fork handlers of every earlier test, once died in the child."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FORK_CHECK, str(nbytes)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def test_the_pinned_staging_buffer_is_registered_at_its_own_size_and_unpinned_when_replaced(monkeypatch):
@@ -395,9 +416,8 @@ def test_the_pinned_staging_buffer_is_registered_at_its_own_size_and_unpinned_wh
     assert hb.ensure(n - 1).data_ptr() == first.data_ptr() and len(calls) == 1  # kept while big enough
     second = hb.ensure(2 * n)
     assert calls[1:] == [("pin", second.data_ptr(), 2 * n), ("unpin", first.data_ptr())]
-    assert _mapped_in_a_forked_child(second.data_ptr()) is False  # pinned pages are not copied at a fork
-    plain = staging.HostBuffer(pin=False).ensure(n)  # held: a freed one is unmapped
-    assert _mapped_in_a_forked_child(plain.data_ptr()) is True
+    # pinned pages are not copied at a fork; unpinned ones are
+    assert _mapped_in_a_forked_child(n) == {"pinned": False, "plain": True}
     hb.release()
     hb.release()  # once only
     assert calls[3:] == [("unpin", second.data_ptr())]
