@@ -17,11 +17,14 @@ def test_ckpt_metrics_reach_wandb_next_to_the_loss(tmp_path):
     commits = {r["ckpt/local/committed_step"]: r for r in rows if "ckpt/local/committed_step" in r}
     events = ckpt_events(tmp_path, "local_commit")
     assert sorted(commits) == [e["step"] for e in events] == list(range(2, 13, 2))
+    last = max(r["_step"] for r in rows if "loss_metrics/global_avg_loss" in r)
     for e in events:
         row = commits[e["step"]]
         assert row["ckpt/local/bytes"] == e["bytes"]
         assert row["ckpt/local/background_write_s"] == e["background_write_s"]
-        assert row["_step"] >= e["step"] and "loss_metrics/global_avg_loss" in row
+        # beside the loss, but for a late commit that lands with the last step's own:
+        # one of them goes to the step after training's last (test_telemetry.py)
+        assert row["_step"] >= e["step"] and ("loss_metrics/global_avg_loss" in row or row["_step"] > last)
     drains = [r for r in rows if "ckpt/pfs/committed_step" in r]
     assert [r["ckpt/pfs/committed_step"] for r in drains] == [4, 8, 12]
     deltas = [r["ckpt/local/delta_s"] for r in rows if "ckpt/local/delta_s" in r]

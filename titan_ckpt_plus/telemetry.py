@@ -15,6 +15,7 @@ import time
 log = logging.getLogger("titan_ckpt_plus")
 
 PREFIX = "ckpt"
+_FAILURES = f"{PREFIX}/failures/"
 
 
 def peak_rss_since_last() -> int | None:
@@ -109,7 +110,7 @@ class EventLog:
     def __init__(self, path: str | None) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._pending: dict = {}
+        self._pending: list[dict] = []  # each event's metrics, oldest first
         self._io: queue.Queue = queue.Queue()
         if path:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -144,13 +145,26 @@ class EventLog:
         line = json.dumps(dict(event=event, time=time.time(), **fields), sort_keys=True)
         metrics = {f"{PREFIX}/{k}": v for k, v in metrics_of(event, fields).items()}
         self.submit(self._append, line)
-        with self._lock:
-            for k, v in metrics.items():
-                self._pending[k] = self._pending.get(k, 0) + v if k.startswith(f"{PREFIX}/failures/") else v
+        if metrics:
+            with self._lock:
+                self._pending.append(metrics)
 
     def take_metrics(self) -> dict:
+        """The metrics to log at this step: the pending events', oldest first. A logger
+        keeps one value per key and step, so an event whose key is already taken waits
+        for the next step (two commits landing between two steps would otherwise show
+        only the second); failure counts add up instead."""
+        out: dict = {}
         with self._lock:
-            out, self._pending = self._pending, {}
+            pending, self._pending = self._pending, []
+            for metrics in pending:
+                if all(k.startswith(_FAILURES) for k in metrics):
+                    for k, v in metrics.items():
+                        out[k] = out.get(k, 0) + v
+                elif metrics.keys() & out.keys():
+                    self._pending.append(metrics)
+                else:
+                    out.update(metrics)
         return out
 
 

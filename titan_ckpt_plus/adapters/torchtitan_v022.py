@@ -313,7 +313,7 @@ class TieredCheckpointManager(_StockManager):
                 self.events.submit(self.ledger.heartbeat, self.incarnation, t=time.time(), step=curr_step)
             if self.ledger and last_step:  # flushed: both tiers hold the last step
                 self.events.submit(self.ledger.clean_end, self.incarnation, t=time.time())
-            self._log_metrics(curr_step)
+            self._log_metrics(curr_step, every=last_step)
             if (self._grace_s > 0 and not last_step
                     and self.tiered.preemption_agreed(self._sigterm_at is not None)):
                 self._stop_for_preemption(curr_step)
@@ -391,23 +391,29 @@ class TieredCheckpointManager(_StockManager):
         self.events.flush()
         os._exit(1)
 
-    def _log_metrics(self, step: int) -> None:
+    def _log_metrics(self, step: int, every: bool = False) -> None:
         """Checkpoint figures that became known since the last step, logged at this
-        step through torchtitan's loggers (wandb, tensorboard) on rank 0."""
-        metrics = self.events.take_metrics()
-        if not metrics or self._metrics_logger is None:
+        step through torchtitan's loggers (wandb, tensorboard) on rank 0. `every` (the
+        last step, whose save has flushed both tiers): what has to wait for a later step
+        (telemetry.EventLog.take_metrics) goes to the steps after it."""
+        metrics = self.events.take_metrics()  # taken here too, or they would pile up
+        while metrics and self._metrics_logger is not None:
+            self._declare_wandb_metrics()
+            self._metrics_logger.log(metrics, step)
+            metrics, step = (self.events.take_metrics(), step + 1) if every else ({}, step)
+
+    def _declare_wandb_metrics(self) -> None:
+        if self._wandb_declared:
             return
-        if not self._wandb_declared:
-            self._wandb_declared = True
-            # torchtitan's wandb logger has imported it if enabled; importing it here
-            # would cost the training loop about 0.25 s.
-            wandb = sys.modules.get("wandb")
-            try:
-                if wandb is not None and wandb.run is not None:
-                    wandb.define_metric("ckpt/*", step_metric=None)
-            except Exception:
-                pass
-        self._metrics_logger.log(metrics, step)
+        self._wandb_declared = True
+        # torchtitan's wandb logger has imported it if enabled; importing it here
+        # would cost the training loop about 0.25 s.
+        wandb = sys.modules.get("wandb")
+        try:
+            if wandb is not None and wandb.run is not None:
+                wandb.define_metric("ckpt/*", step_metric=None)
+        except Exception:
+            pass
 
     def maybe_wait_for_staging(self) -> None:
         if self.tiered is None:

@@ -1,0 +1,53 @@
+"""Checkpoint events reach torchtitan's metric loggers: every event's figures, each at
+a step no older than the event (no torchrun; the wandb run file: test_e2e_wandb.py)."""
+
+from titan_ckpt_plus.telemetry import EventLog
+
+
+def _commit(step: int) -> dict:
+    return dict(step=step, staging_s=0.01, background_write_s=0.1 * step, time_to_commit_s=0.2,
+                bytes=1000 + step)
+
+
+def test_two_commits_between_two_steps_are_logged_one_step_apart(tmp_path):
+    """A logger keeps one value per key and step: a commit that lands late, just
+    before the next one, would otherwise be overwritten by it."""
+    log = EventLog(str(tmp_path / "events.jsonl"))
+    log.record("local_commit", **_commit(10))
+    log.record("stage", delta_s=0.003, wait_prev_s=0.0)
+    log.record("local_commit", **_commit(12))
+    log.record("save_failed", tier="pfs")
+    log.record("save_failed", tier="pfs")  # counts add up within a step
+    log.record("sched", step=12)  # no metrics: nothing pending for it
+    first = log.take_metrics()
+    assert first["ckpt/local/committed_step"] == 10 and first["ckpt/local/bytes"] == 1010
+    assert first["ckpt/local/delta_s"] == 0.003 and first["ckpt/failures/pfs_save_failed"] == 2
+    second = log.take_metrics()
+    assert second["ckpt/local/committed_step"] == 12 and second["ckpt/local/bytes"] == 1012
+    assert "ckpt/local/delta_s" not in second and "ckpt/failures/pfs_save_failed" not in second
+    assert log.take_metrics() == {}
+    log.flush()
+
+
+def test_the_last_step_logs_what_waited_at_the_steps_after_it(tmp_path):
+    """The last step's save flushes both tiers, so its commit and a late one of the
+    step before land together: both are logged, the second at the next step."""
+    from titan_ckpt_plus.adapters.torchtitan_v022 import TieredCheckpointManager
+
+    logged = []
+
+    class Logger:
+        def log(self, metrics, step):
+            logged.append((step, metrics["ckpt/local/committed_step"]))
+
+    manager = object.__new__(TieredCheckpointManager)
+    manager.events, manager._metrics_logger, manager._wandb_declared = EventLog(None), Logger(), False
+    manager.events.path = str(tmp_path / "events.jsonl")  # records kept without its writer thread
+    manager.events.submit = lambda *a, **k: None
+    for s in (8, 10):
+        manager.events.record("local_commit", **_commit(s))
+    manager._log_metrics(11)
+    assert logged == [(11, 8)]  # a step within training logs one, the other waits
+    manager.events.record("local_commit", **_commit(12))
+    manager._log_metrics(12, every=True)
+    assert logged == [(11, 8), (12, 10), (13, 12)]
