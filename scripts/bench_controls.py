@@ -9,7 +9,15 @@ off:
   - "copy": the plugin's own staging copy and CRC-32C of the rank's state
     (staging.HostBuffer.copy_in, the floor's work), and nothing else: no write, no
     commit, no vote, no drain;
-  - the tiers on, as bench_overhead.py runs them.
+  - "write": that copy, and the local write following it as the plugin's writer
+    does (files.DurableBatch, O_DIRECT, over a retired file, fsync'd; a thread in the
+    normal class): no vote, commit marker or retention;
+  - the tiers on, as bench_overhead.py runs them ("local-only": with no PFS save but
+    the last, so the drains' after-effects are apart).
+
+Beside the floor, the kernel's CPU time to write the rank's bytes as the local tier
+does (bench_overhead.write_kernel_s: O_DIRECT submissions and their completions,
+which run on whichever core they interrupt), measured alone in the same run.
 
 Each job's steps are timed against its own undisturbed steps (bench_overhead's
 classes). If the controls' steps grow as much as a save's, what is left above the
@@ -22,6 +30,7 @@ plugin's other work.
 import argparse
 import json
 import os
+import queue
 import shutil
 import statistics
 import sys
@@ -38,7 +47,14 @@ sys.path.insert(0, str(ROOT))
 CONTROL_ENV = "TITAN_CKPT_BENCH_CONTROL"  # the worker's plan: {"work", "every", "cpu_s"}
 SECTION = "## Overhead controls: part of a save's work alone"
 RUNS = 3
-KINDS = ("tiers", "burn", "copy")  # the first tiers job gives the bytes
+KINDS = ("tiers", "burn", "copy", "write")  # the default run; the first tiers job gives the bytes
+CONTROLS = (("burn", "the floor's CPU alone, SCHED_IDLE"), ("copy", "the staging copy + CRC alone"),
+            ("write", "the copy + the local write"))
+HEADERS = dict(CONTROLS, **{"local-only": "the tiers on, no PFS save but the last: a local save",
+                            "tiers": "the tiers on: a local save"})
+DIFFERENCES = (("write", "copy", "the write's share (write less copy)"),
+               ("tiers", "write", "the rest of a save (tiers less write)"),
+               ("tiers", "local-only", "the PFS saves' share (tiers less local-only)"))
 
 
 # ---- the worker: a torchtitan job with checkpointing off, and the control's thread ----
@@ -80,7 +96,10 @@ class ControlThread:
         self.trainer, self.plan, self.kicked = trainer, plan, threading.Event()
         self.buffer = staging.HostBuffer(pin=False)
         self.staged = None  # (layout, tensors): the same tensors every step (updated in place)
+        self.to_write: queue.Queue = queue.Queue()
         threading.Thread(target=self._loop, name="ckpt-control", daemon=True).start()
+        if plan["work"] == "write":
+            threading.Thread(target=self._write_loop, name="ckpt-control-wr", daemon=True).start()
 
     def kick(self) -> None:
         """On the training thread, where the plugin's save() starts its copy. The first
@@ -88,7 +107,7 @@ class ControlThread:
         thread's to call), in a step the tables leave out (a layout's first save)."""
         from titan_ckpt_plus import staging
 
-        if self.staged is None and self.plan["work"] == "copy":
+        if self.staged is None and self.plan["work"] in ("copy", "write"):
             layout, tensors, _ = staging.plan_layout(_local_state(self.trainer))
             self.staged = (layout, tensors)
         self.kicked.set()
@@ -103,8 +122,28 @@ class ControlThread:
             self.kicked.clear()
             if self.plan["work"] == "burn":
                 _burn(self.plan["cpu_s"])
-            else:
-                self.buffer.copy_in(*self.staged, staging.StagingProgress())
+                continue
+            progress = staging.StagingProgress()
+            if self.plan["work"] == "write":
+                self.buffer.ensure(self.staged[0].total_bytes)
+                self.to_write.put(progress)  # the write follows the copy, as the plugin's
+            self.buffer.copy_in(*self.staged, progress)
+
+    def _write_loop(self) -> None:
+        """The plugin writer's work on the staged bytes: one file, over the spare the
+        previous write left (tiers/files.py)."""
+        from titan_ckpt_plus import priority
+        from titan_ckpt_plus.tiers import files
+
+        priority.name_this_thread("ckpt-control-wr")
+        path, spare = (os.path.join(self.plan["dir"], n) for n in ("data", "spare"))
+        os.makedirs(self.plan["dir"], exist_ok=True)
+        while True:
+            progress = self.to_write.get()
+            data = self.buffer.data[: self.staged[0].total_bytes].numpy()
+            with files.DurableBatch() as batch:
+                batch.write(path, data, before_chunk=progress.wait, known_crc=lambda: progress.crc, reuse=spare)
+            files.retire(path, spare)
 
 
 def worker() -> None:
@@ -140,11 +179,12 @@ def run(work: Path, flavor: str, kind: str, cpu_s: float) -> None:
     common = [f"--model.flavor={model}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
               f"--training.steps={steps}", "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
               "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only"]
-    if kind == "tiers":
+    if kind in ("tiers", "local-only"):
+        pfs_every = bo.PFS_EVERY if kind == "tiers" else 10 * steps
         args, module, env = [f"--checkpoint.local_interval={bo.LOCAL_EVERY}",
-                             f"--checkpoint.interval={bo.PFS_EVERY}"], "torchtitan.train", {}
+                             f"--checkpoint.interval={pfs_every}"], "torchtitan.train", {}
     else:
-        plan = {"work": kind, "every": bo.LOCAL_EVERY, "cpu_s": cpu_s}
+        plan = {"work": kind, "every": bo.LOCAL_EVERY, "cpu_s": cpu_s, "dir": str(work / "local" / "control")}
         args, module, env = ["--checkpoint.no-enable"], "bench_controls", {CONTROL_ENV: json.dumps(plan)}
     proc = torchrun(work, *common, *args, module=module, timeout=1800, digests=False, nproc=nproc,
                     env={bo.SCHED_LOG_ENV: str(work / "sched"), **env})
@@ -162,6 +202,13 @@ def inflation(work: Path, steps: int) -> list[float]:
     return [t / und - 1 for t in classes["local"]]
 
 
+def _what_each_kind_does() -> list[str]:
+    """The docstring's first paragraphs, as the section's closing text."""
+    intro, kinds, more = __doc__.split("\n\n")[:3]
+    items = ["- " + " ".join(item.split()) for item in kinds.split("  - ")[1:]]
+    return [" ".join(intro.split()), *items, "", " ".join(more.split())]
+
+
 def main() -> None:
     import bench_overhead as bo
     from benchmd import record_targets, update_section
@@ -169,60 +216,70 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--update", type=Path)
     ap.add_argument("--models", default="debugmodel,100M")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="tiers first: its job gives the bytes")
+    ap.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --update writes")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    assert kinds[0] == "tiers", "--kinds: tiers first (its job gives the rank's bytes)"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "scripts"), os.environ.get("PYTHONPATH"))
                                                if p)
     base = Path(tempfile.mkdtemp(prefix="bench-controls-"))
+    columns = [k for k in HEADERS if k in kinds]
+    differences = [d for d in DIFFERENCES if d[0] in kinds and d[1] in kinds]
     rows, targets, lines = [], [], []
     for flavor in args.models.split(","):
         steps = bo.MODELS[flavor][3]
-        shares: dict[str, list[float]] = {k: [] for k in KINDS}
+        shares: dict[str, list[float]] = {k: [] for k in kinds}
         unds, floor_cpu = [], None
         for i in range(RUNS):  # round-robin: the machine drifts within the hour
-            for kind in KINDS:
+            for kind in kinds:
                 work = base / f"{flavor}-{kind}{i}"
                 run(work, flavor, kind, floor_cpu or 0.0)
                 if floor_cpu is None:  # the rank's bytes, from the first tiers job
                     nbytes = int(statistics.median(e["bytes"] for e in bo.ckpt_events(work, "local_commit")))
-                    floor_cpu = bo.floor_s(nbytes)
+                    floor_cpu, kernel_s = bo.floor_s(nbytes), bo.write_kernel_s(nbytes, base)
                 shares[kind].append(statistics.median(inflation(work, steps)))
                 unds.append(statistics.median(bo.classify_steps(work, steps)["undisturbed"]))
         und = statistics.median(unds)
-        for kind in KINDS:
+        for kind in kinds:
             lines.append(f"{flavor}, {kind}, where a step's time goes, ms (mean of the ranks' steps): "
                          + bo.where_time_goes([base / f"{flavor}-{kind}{i}" for i in range(RUNS)], steps,
                                               bo.MODELS[flavor][4]))
         floor = floor_cpu / und
         med = {k: statistics.median(v) for k, v in shares.items()}
-        rows.append(f"| {flavor} | {nbytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | "
-                    + " | ".join(f"{med[k]:+.3f} ({', '.join(f'{x:+.3f}' for x in shares[k])})"
-                                 for k in ("burn", "copy", "tiers"))
-                    + f" | {med['tiers'] - med['copy']:+.3f} |")
-        for k, what in (("burn", "the floor's CPU alone, SCHED_IDLE"), ("copy", "the staging copy + CRC alone")):
-            targets.append((f"{flavor}: step inflation of {what} (control)", f"{med[k]:+.3f} of a step",
-                            f"<= floor {floor:.3f} + 0.03 (what the target would allow)",
-                            None))
+        cells = [f"{med[k]:+.3f} ({', '.join(f'{x:+.3f}' for x in shares[k])})" for k in columns]
+        cells += [f"{med[a] - med[b]:+.3f}" for a, b, _ in differences]
+        rows.append(f"| {flavor} | {nbytes / 2**20:.1f} MiB | {und:.3f} s | {floor:.3f} | {kernel_s / und:.3f} | "
+                    + " | ".join(cells) + " |")
+        for k, what in CONTROLS:
+            if k in med:
+                targets.append((f"{flavor}: step inflation of {what} (control)", f"{med[k]:+.3f} of a step",
+                                f"<= floor {floor:.3f} + 0.03 (what the target would allow)", None))
+    command = " ".join(["`.venv/bin/python scripts/bench_controls.py --update BENCHMARKS.md",
+                        *([f"--models {args.models}"] if args.models != ap.get_default("models") else []),
+                        *([f"--kinds {args.kinds}"] if args.kinds != ap.get_default("kinds") else []),
+                        *([f'--section "{args.section}"'] if args.section != SECTION else [])]) + "`"
     body = "\n".join([
-        f"Command: `.venv/bin/python scripts/bench_controls.py --update BENCHMARKS.md` ({time.strftime('%Y-%m-%d')}, "
+        f"Command: {command} ({time.strftime('%Y-%m-%d')}, "
         f"2 CPU ranks, at every {bo.LOCAL_EVERY}rd step; {RUNS} jobs of each kind, round-robin; each job's median "
         "step after a save (or a kick) against its own undisturbed step; the median of the jobs, and each job's "
         "in brackets).",
         "",
-        "| model | state per rank | undisturbed step | floor (share of a step) | the floor's CPU alone: "
-        "small products in SCHED_IDLE, no memory traffic | the staging copy + CRC alone (the plugin's, SCHED_IDLE) "
-        "| the tiers on: a local save | the tiers on less the copy alone |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | state per rank | undisturbed step | floor (share of a step) | the write's kernel CPU alone "
+        "(any core; share of a step) | " + " | ".join(HEADERS[k] for k in columns)
+        + "".join(f" | {what}" for _, _, what in differences) + " |",
+        "|---|---|---|---|---|" + "---|" * (len(columns) + len(differences)),
         *rows, "",
         "| what | measured | for comparison | met? |", "|---|---|---|---|",
         *[f"| {w} | {m} | {t} | reported |" for w, m, t, _ in targets],
         "", *[f"- {line}" for line in lines],
-        "", __doc__.split("\n\n")[0].replace("\n", " ").strip(),
+        "", *_what_each_kind_does(),
     ])
     print(body)
     shutil.rmtree(base, ignore_errors=True)
     record_targets("controls", targets)
     if args.update:
-        update_section(args.update, SECTION, body)
+        update_section(args.update, args.section, body)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ which leaves one of the 2 cores to the checkpointer's threads.
 """
 
 import argparse
+import mmap
 import os
 import re
 import shutil
@@ -346,6 +347,39 @@ def floor_s(nbytes: int) -> float:
         files.checksum(memoryview(dst.numpy()))
         best.append(time.perf_counter() - t0)
     return statistics.median(best)
+
+
+def _kernel_jiffies() -> int:
+    """The whole machine's CPU time in the kernel so far (system, irq and softirq in
+    /proc/stat, in clock ticks): a write's I/O completions run in whatever thread
+    they interrupt, not in the writer's."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return fields[2] + fields[5] + fields[6]
+
+
+def write_kernel_s(nbytes: int, folder: Path, total: int = 2 << 30) -> float:
+    """The kernel's CPU time (any core, any thread) to write `nbytes` durably the
+    way the local tier does (files.DurableBatch: O_DIRECT from a page-aligned buffer,
+    fsync'd), measured over about `total` bytes so the clock tick (10 ms) does not
+    round it away, machine otherwise idle. What no in-process write of the bytes can
+    avoid on this machine's disk: the share of a save's cost that the floor (memcpy +
+    CRC) leaves out."""
+    buf = mmap.mmap(-1, nbytes)
+    buf.write(b"\3" * nbytes)
+    path, spare = str(folder / "write-floor"), str(folder / "write-floor.spare")
+    rounds, hz, spent = max(1, total // nbytes), os.sysconf("SC_CLK_TCK"), []
+    for _ in range(3):  # the median: other kernel work (reclaim, the VM's timers) comes and goes
+        k0 = _kernel_jiffies()
+        for _ in range(rounds):
+            with files.DurableBatch() as batch:
+                batch.write(path, buf, known_crc=lambda: 0, reuse=spare)  # the CRC is the floor's
+            files.retire(path, spare)
+        spent.append((_kernel_jiffies() - k0) / hz / rounds)
+    for p in (path, spare):
+        if os.path.exists(p):
+            os.remove(p)
+    return statistics.median(spent)
 
 
 def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int = 5) -> dict:
