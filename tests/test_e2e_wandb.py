@@ -10,10 +10,16 @@ pytestmark = pytest.mark.e2e
 
 
 def test_ckpt_metrics_reach_wandb_next_to_the_loss(tmp_path):
-    proc = torchrun(tmp_path, "--metrics.enable_wandb")
+    """With validation at the last step too: torchtitan logs it after that step's
+    save, so what the save flushed must not take wandb past that step first."""
+    proc = torchrun(tmp_path, "--metrics.enable_wandb", "--validation.enable", "--validation.dataset=c4_test",
+                    "--validation.dataset_path=assets/demo/corpus", "--validation.freq=6", "--validation.steps=2",
+                    "--validation.seq_len=32", "--validation.local_batch_size=2")
     ok(proc)
     (run,) = list((tmp_path / "dump").rglob("run-*.wandb"))
     rows = history(run)
+    validated = sorted(r["_step"] for r in rows if any(k.startswith("validation_metrics/") for k in r))
+    assert validated == [1, 6, 12], validated  # torchtitan validates at step 1 too
     commits = {r["ckpt/local/committed_step"]: r for r in rows if "ckpt/local/committed_step" in r}
     events = ckpt_events(tmp_path, "local_commit")
     assert sorted(commits) == [e["step"] for e in events] == list(range(2, 13, 2))
@@ -29,6 +35,10 @@ def test_ckpt_metrics_reach_wandb_next_to_the_loss(tmp_path):
     assert [r["ckpt/pfs/committed_step"] for r in drains] == [4, 8, 12]
     deltas = [r["ckpt/local/delta_s"] for r in rows if "ckpt/local/delta_s" in r]
     assert deltas == [e["delta_s"] for e in ckpt_events(tmp_path, "stage")]
+    # the last save's interval review is recorded by the event thread after that step's
+    # metrics were taken: it reaches wandb at close(), after the last step
+    reviews = [r["ckpt/interval/local_steps"] for r in rows if "ckpt/interval/local_steps" in r]
+    assert reviews == [e["local_steps"] for e in ckpt_events(tmp_path, "interval")] and len(reviews) == 6
 
 
 def test_every_dashboard_panel_plots_a_key_an_offline_run_logs(tmp_path):

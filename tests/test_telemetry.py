@@ -29,25 +29,35 @@ def test_two_commits_between_two_steps_are_logged_one_step_apart(tmp_path):
     log.flush()
 
 
-def test_the_last_step_logs_what_waited_at_the_steps_after_it(tmp_path):
+def test_what_waits_past_the_last_step_is_logged_at_close_after_it(tmp_path):
     """The last step's save flushes both tiers, so its commit and a late one of the
-    step before land together: both are logged, the second at the next step."""
+    step before land together: both are logged, the second after the last step, and
+    only at close(): torchtitan's validation logs the last step after its save, and
+    wandb drops a step older than the newest it has seen."""
     from titan_ckpt_plus.adapters.torchtitan_v022 import TieredCheckpointManager
 
     logged = []
 
     class Logger:
         def log(self, metrics, step):
-            logged.append((step, metrics["ckpt/local/committed_step"]))
+            logged.append((step, metrics.get("ckpt/local/committed_step"), metrics.get("ckpt/interval/local_steps")))
 
     manager = object.__new__(TieredCheckpointManager)
     manager.events, manager._metrics_logger, manager._wandb_declared = EventLog(None), Logger(), False
     manager.events.path = str(tmp_path / "events.jsonl")  # records kept without its writer thread
     manager.events.submit = lambda *a, **k: None
+    manager.events.flush = lambda: None
     for s in (8, 10):
         manager.events.record("local_commit", **_commit(s))
     manager._log_metrics(11)
-    assert logged == [(11, 8)]  # a step within training logs one, the other waits
+    assert logged == [(11, 8, None)]  # a step within training logs one, the other waits
     manager.events.record("local_commit", **_commit(12))
-    manager._log_metrics(12, every=True)
-    assert logged == [(11, 8), (12, 10), (13, 12)]
+    manager._saving_step = 12
+    manager._log_metrics(12)  # the last step's save: one value per key, nothing past it yet
+    assert logged == [(11, 8, None), (12, 10, None)]
+    manager.events.record("interval", step=12, local_steps=3, pfs_steps=6, mtbf_any_s=3600.0,
+                          mtbf_unrecoverable_s=7200.0)  # from the event thread, late
+    manager._log_leftovers()
+    assert logged[2:] == [(13, 12, 3)]
+    manager._log_leftovers()
+    assert len(logged) == 3  # taken once

@@ -313,7 +313,7 @@ class TieredCheckpointManager(_StockManager):
                 self.events.submit(self.ledger.heartbeat, self.incarnation, t=time.time(), step=curr_step)
             if self.ledger and last_step:  # flushed: both tiers hold the last step
                 self.events.submit(self.ledger.clean_end, self.incarnation, t=time.time())
-            self._log_metrics(curr_step, every=last_step)
+            self._log_metrics(curr_step)
             if (self._grace_s > 0 and not last_step
                     and self.tiered.preemption_agreed(self._sigterm_at is not None)):
                 self._stop_for_preemption(curr_step)
@@ -391,16 +391,30 @@ class TieredCheckpointManager(_StockManager):
         self.events.flush()
         os._exit(1)
 
-    def _log_metrics(self, step: int, every: bool = False) -> None:
+    def _log_metrics(self, step: int) -> None:
         """Checkpoint figures that became known since the last step, logged at this
-        step through torchtitan's loggers (wandb, tensorboard) on rank 0. `every` (the
-        last step, whose save has flushed both tiers): what has to wait for a later step
-        (telemetry.EventLog.take_metrics) goes to the steps after it."""
+        step through torchtitan's loggers (wandb, tensorboard) on rank 0. What has to
+        wait for a later step (telemetry.EventLog.take_metrics) is logged at the next."""
         metrics = self.events.take_metrics()  # taken here too, or they would pile up
-        while metrics and self._metrics_logger is not None:
+        if metrics and self._metrics_logger is not None:
             self._declare_wandb_metrics()
             self._metrics_logger.log(metrics, step)
-            metrics, step = (self.events.take_metrics(), step + 1) if every else ({}, step)
+
+    def _log_leftovers(self) -> None:
+        """At close(), once the event thread is flushed: what still waits (a late commit
+        that landed with the last step's, the last save's interval review) goes to the
+        steps after the last one. Not from the last step's save(): torchtitan's
+        validation logs that step after it, and wandb drops a step older than its
+        latest."""
+        step = max(self._saving_step, 0) + 1
+        while (metrics := self.events.take_metrics()) and self._metrics_logger is not None:
+            try:
+                self._declare_wandb_metrics()
+                self._metrics_logger.log(metrics, step)
+            except Exception as e:  # a logger already closed: the events file keeps them
+                logger.warning(f"[titan_ckpt_plus] checkpoint metrics after the last step not logged: {e!r}")
+                return
+            step += 1
 
     def _declare_wandb_metrics(self) -> None:
         if self._wandb_declared:
@@ -480,6 +494,7 @@ class TieredCheckpointManager(_StockManager):
         if tiered is not None:
             tiered.close()
             self.events.flush()
+            self._log_leftovers()
         lock, self._job_lock = getattr(self, "_job_lock", None), None
         if lock is not None:
             lock.release()
