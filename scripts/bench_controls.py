@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import queue
+import shlex
 import shutil
 import statistics
 import sys
@@ -97,6 +98,8 @@ class ControlThread:
         self.buffer = staging.HostBuffer(pin=False)
         self.staged = None  # (layout, tensors): the same tensors every step (updated in place)
         self.to_write: queue.Queue = queue.Queue()
+        self.written = threading.Event()  # the buffer is free again, as the plugin's next save waits for
+        self.written.set()
         threading.Thread(target=self._loop, name="ckpt-control", daemon=True).start()
         if plan["work"] == "write":
             threading.Thread(target=self._write_loop, name="ckpt-control-wr", daemon=True).start()
@@ -125,6 +128,8 @@ class ControlThread:
                 continue
             progress = staging.StagingProgress()
             if self.plan["work"] == "write":
+                self.written.wait()
+                self.written.clear()
                 self.buffer.ensure(self.staged[0].total_bytes)
                 self.to_write.put(progress)  # the write follows the copy, as the plugin's
             self.buffer.copy_in(*self.staged, progress)
@@ -144,6 +149,7 @@ class ControlThread:
             with files.DurableBatch() as batch:
                 batch.write(path, data, before_chunk=progress.wait, known_crc=lambda: progress.crc, reuse=spare)
             files.retire(path, spare)
+            self.written.set()
 
 
 def worker() -> None:
@@ -220,6 +226,9 @@ def main() -> None:
     ap.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --update writes")
     args = ap.parse_args()
     kinds = args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(HEADERS) - {"tiers"})
+    if unknown:
+        ap.error(f"--kinds: unknown {unknown}; choose from {sorted(HEADERS)}")
     assert kinds[0] == "tiers", "--kinds: tiers first (its job gives the rank's bytes)"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "scripts"), os.environ.get("PYTHONPATH"))
                                                if p)
@@ -258,7 +267,7 @@ def main() -> None:
     command = " ".join(["`.venv/bin/python scripts/bench_controls.py --update BENCHMARKS.md",
                         *([f"--models {args.models}"] if args.models != ap.get_default("models") else []),
                         *([f"--kinds {args.kinds}"] if args.kinds != ap.get_default("kinds") else []),
-                        *([f'--section "{args.section}"'] if args.section != SECTION else [])]) + "`"
+                        *([f"--section {shlex.quote(args.section)}"] if args.section != SECTION else [])]) + "`"
     body = "\n".join([
         f"Command: {command} ({time.strftime('%Y-%m-%d')}, "
         f"2 CPU ranks, at every {bo.LOCAL_EVERY}rd step; {RUNS} jobs of each kind, round-robin; each job's median "
