@@ -227,9 +227,8 @@ def main() -> None:
     args = ap.parse_args()
     kinds = args.kinds.split(",")
     unknown = sorted(set(kinds) - set(HEADERS) - {"tiers"})
-    if unknown:
-        ap.error(f"--kinds: unknown {unknown}; choose from {sorted(HEADERS)}")
-    assert kinds[0] == "tiers", "--kinds: tiers first (its job gives the rank's bytes)"
+    if unknown or kinds[0] != "tiers":
+        ap.error(f"--kinds: tiers first (its job gives the rank's bytes), then any of {sorted(HEADERS)}")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "scripts"), os.environ.get("PYTHONPATH"))
                                                if p)
     base = Path(tempfile.mkdtemp(prefix="bench-controls-"))

@@ -18,7 +18,6 @@ which leaves one of the 2 cores to the checkpointer's threads.
 """
 
 import argparse
-import mmap
 import os
 import re
 import shutil
@@ -358,15 +357,22 @@ def _kernel_jiffies() -> int:
     return fields[2] + fields[5] + fields[6]
 
 
+def _page_aligned(nbytes: int) -> memoryview:
+    """`nbytes` (whole pages) in the plugin's own staging buffer, filled: what the
+    local writer hands O_DIRECT."""
+    from titan_ckpt_plus.staging import HostBuffer
+
+    return memoryview(HostBuffer(pin=False).ensure(nbytes // files.PAGE * files.PAGE).fill_(3).numpy())
+
+
 def write_kernel_s(nbytes: int, folder: Path, total: int = 2 << 30) -> float:
     """The kernel's CPU time (any core, any thread) to write `nbytes` durably the
-    way the local tier does (files.DurableBatch: O_DIRECT from a page-aligned buffer,
+    way the local tier does (files.DurableBatch: O_DIRECT from the staging buffer,
     fsync'd), measured over about `total` bytes so the clock tick (10 ms) does not
     round it away, machine otherwise idle. What no in-process write of the bytes can
     avoid on this machine's disk: the share of a save's cost that the floor (memcpy +
     CRC) leaves out."""
-    buf = mmap.mmap(-1, nbytes)
-    buf.write(b"\3" * nbytes)
+    buf = _page_aligned(nbytes)
     path, spare = str(folder / "write-floor"), str(folder / "write-floor.spare")
     rounds, hz, spent = max(1, total // nbytes), os.sysconf("SC_CLK_TCK"), []
     for _ in range(3):  # the median: other kernel work (reclaim, the VM's timers) comes and goes
@@ -445,9 +451,7 @@ def _neighbour(kind: str, nbytes: int, path: str, ready, stop) -> None:
     torch.set_num_threads(1)
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(3)
     dst = torch.empty_like(src)
-    from titan_ckpt_plus.staging import HostBuffer
-
-    aligned = memoryview(HostBuffer(pin=False).ensure(nbytes // files.PAGE * files.PAGE).fill_(3).numpy())
+    aligned = _page_aligned(nbytes)
     ready.set()
     while not stop.is_set():
         if kind == "memcpy":

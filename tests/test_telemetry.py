@@ -46,7 +46,6 @@ def test_what_waits_past_the_last_step_is_logged_at_close_after_it(tmp_path):
     manager.events, manager._metrics_logger, manager._wandb_declared = EventLog(None), Logger(), False
     manager.events.path = str(tmp_path / "events.jsonl")  # records kept without its writer thread
     manager.events.submit = lambda *a, **k: None
-    manager.events.flush = lambda: None
     for s in (8, 10):
         manager.events.record("local_commit", **_commit(s))
     manager._log_metrics(11)

@@ -391,14 +391,17 @@ class TieredCheckpointManager(_StockManager):
         self.events.flush()
         os._exit(1)
 
-    def _log_metrics(self, step: int) -> None:
+    def _log_metrics(self, step: int) -> bool:
         """Checkpoint figures that became known since the last step, logged at this
-        step through torchtitan's loggers (wandb, tensorboard) on rank 0. What has to
-        wait for a later step (telemetry.EventLog.take_metrics) is logged at the next."""
+        step through torchtitan's loggers (wandb, tensorboard) on rank 0; returns
+        whether any were. What has to wait for a later step
+        (telemetry.EventLog.take_metrics) is logged at the next."""
         metrics = self.events.take_metrics()  # taken here too, or they would pile up
-        if metrics and self._metrics_logger is not None:
-            self._declare_wandb_metrics()
-            self._metrics_logger.log(metrics, step)
+        if not metrics or self._metrics_logger is None:
+            return False
+        self._declare_wandb_metrics()
+        self._metrics_logger.log(metrics, step)
+        return True
 
     def _log_leftovers(self) -> None:
         """At close(), once the event thread is flushed: what still waits (a late commit
@@ -407,14 +410,11 @@ class TieredCheckpointManager(_StockManager):
         validation logs that step after it, and wandb drops a step older than its
         latest."""
         step = max(self._saving_step, 0) + 1
-        while (metrics := self.events.take_metrics()) and self._metrics_logger is not None:
-            try:
-                self._declare_wandb_metrics()
-                self._metrics_logger.log(metrics, step)
-            except Exception as e:  # a logger already closed: the events file keeps them
-                logger.warning(f"[titan_ckpt_plus] checkpoint metrics after the last step not logged: {e!r}")
-                return
-            step += 1
+        try:
+            while self._log_metrics(step):
+                step += 1
+        except Exception as e:  # a logger already closed: the events file keeps them
+            logger.warning(f"[titan_ckpt_plus] checkpoint metrics after the last step not logged: {e!r}")
 
     def _declare_wandb_metrics(self) -> None:
         if self._wandb_declared:
