@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmd import record_targets, update_section  # noqa: E402
 from harness import ckpt_events, events, free_port, torchrun_nodes  # noqa: E402
-from titan_ckpt_plus.replication import CHUNK  # noqa: E402
+from titan_ckpt_plus.tiers.files import piece_size  # noqa: E402
 
 SECTION = "## Replication and recovery"
 
@@ -163,7 +163,7 @@ def main() -> None:
         f"(no CRC) | {mbps(t['ours_disk']):.0f} MiB/s | {t['raw_disk'] / t['ours_disk']:.2f} |", "",
         f"Host memory a receive held beyond the process's before it (peak, rank 0's first receive): streamed "
         f"to its file {t['held_streamed'] / 2**20:.0f} MiB (one landing chunk of "
-        f"{CHUNK >> 20} MiB), landing whole then written (the path before) "
+        f"{piece_size(nbytes) >> 20} MiB), landing whole then written (the path before) "
         f"{t['held_whole'] / 2**20:.0f} MiB, for a part of {args.mib} MiB.", "",
         "Restart to first training step, 2 simulated nodes x 2 ranks, debugmodel, killed after "
         "step 7 (local step 6 committed with replicas, PFS step 4):", "",

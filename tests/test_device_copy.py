@@ -383,8 +383,10 @@ def test_nccl_replication_moves_parts_in_chunks_through_one_reused_device_buffer
     from titan_ckpt_plus import replication
     from titan_ckpt_plus.replication import Part, Wire
 
+    from titan_ckpt_plus.tiers import files
+
     net = Loopback()
-    monkeypatch.setattr(replication, "CHUNK", 1000)
+    monkeypatch.setattr(files, "piece_size", lambda n: 1000)
     monkeypatch.setattr(replication.dist, "P2POp", net.op)
     monkeypatch.setattr(replication.dist, "batch_isend_irecv", net.batch)
     g = torch.Generator().manual_seed(5)
@@ -427,7 +429,7 @@ def test_a_replica_streams_to_its_file_through_one_reused_chunk_and_a_bad_one_le
     from titan_ckpt_plus.tiers.local import LocalTier
 
     net = Loopback()
-    monkeypatch.setattr(replication, "CHUNK", 8192)
+    monkeypatch.setattr(files, "piece_size", lambda n: 8192)
     monkeypatch.setattr(replication.dist, "P2POp", net.op)
     monkeypatch.setattr(replication.dist, "batch_isend_irecv", net.batch)
     g = torch.Generator().manual_seed(7)

@@ -475,6 +475,30 @@ def test_write_pieces_cover_the_file_in_whole_pages_but_a_lone_tail(n):
         assert sizes[0] == files.FIRST_CHUNK and sizes[1] > files.FIRST_CHUNK
 
 
+@pytest.mark.parametrize("mib", [1, 36, 586, 12 << 10])
+def test_a_drain_reading_a_local_file_holds_a_sixteenth_of_it_at_most(mib, tmp_path, monkeypatch):
+    """Pieces read back from a local part (a drain whose staging buffer was taken
+    back) land in one reused buffer of piece_size(): a sixteenth of the file in whole
+    pages, 1 MiB at least, CHUNK at most, so a small model's drain no longer holds a
+    buffer half its state beside the staging buffer. Every byte still arrives checked."""
+    size = files.piece_size(mib << 20)
+    assert size % files.PAGE == 0 and (1 << 20) <= size <= files.CHUNK
+    assert size == min(files.CHUNK, max(1 << 20, (mib << 20) // 16))
+    if mib > 64:  # the read itself, on files this test can afford
+        return
+    data = os.urandom(mib << 20) + b"tail"
+    path = tmp_path / "rank-0.data"
+    path.write_bytes(data)
+    buffers = []
+    real_mmap = files.mmap.mmap
+    monkeypatch.setattr(files.mmap, "mmap", lambda *a, **k: buffers.append(a[1]) or real_mmap(*a, **k))
+    got = bytearray()
+    for offset, piece in files.read_spans(str(path), files.entry(data), [(0, len(data))]):
+        assert offset == len(got) and len(piece) <= files.piece_size(len(data))
+        got += piece
+    assert bytes(got) == data and buffers == [files.piece_size(len(data))]
+
+
 def test_staging_progress_never_runs_ahead_of_the_copied_bytes():
     """The local write follows StagingProgress, so each advance must come only once
     every byte below it is in the buffer; the first group is about the write's first

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import part_matches
 
-CHUNK = 64 << 20
 MAX_MANIFEST = 1 << 20
 
 
@@ -59,7 +58,7 @@ class Wire:
         """A reused device buffer for one chunk, one each way."""
         buf = self._dev_in if incoming else self._dev_buf
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, CHUNK), dtype=torch.uint8, device=self.device)
+            buf = torch.empty(max(n, files.piece_size(n)), dtype=torch.uint8, device=self.device)
             if incoming:
                 self._dev_in = buf
             else:
@@ -123,13 +122,13 @@ class Wire:
         """`incoming`: (bytes, where) in order, `where` a tensor to receive into or a
         sink the bytes are streamed to through one reused chunk."""
         out_t = [self._bytes_tensor(b) for b in outgoing]
-        chunks_out = [(t, i) for t in out_t for i in range(0, t.numel(), CHUNK)]
-        chunks_in = [(where, i, min(CHUNK, n - i)) for n, where in incoming for i in range(0, n, CHUNK)]
+        chunks_out = [(t, i, m) for t in out_t for i, m in _pieces(t.numel())]
+        chunks_in = [(where, i, m) for n, where in incoming for i, m in _pieces(n)]
         for k in range(max(len(chunks_out), len(chunks_in))):
             ops, landing = [], None
             if k < len(chunks_out):
-                t, i = chunks_out[k]
-                src = t[i : i + CHUNK]
+                t, i, m = chunks_out[k]
+                src = t[i : i + m]
                 if self.device is not None:
                     src = self._wire(src.numel()).copy_(src)
                 ops.append(dist.P2POp(dist.isend, src, peer_send, self.pg))
@@ -146,6 +145,13 @@ class Wire:
                     dst.copy_(got)
                 if callable(where):
                     where(memoryview(dst.numpy()))
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    """(start, length) of the chunks an item of n bytes travels in; both ends split it
+    alike (files.piece_size: the landing chunk stays a small share of the part)."""
+    step = files.piece_size(n)
+    return [(i, min(step, n - i)) for i in range(0, n, step)]
 
 
 def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,

@@ -85,6 +85,15 @@ def _open_for_read(path: str) -> int:
     return os.open(path, os.O_RDONLY)
 
 
+def piece_size(total: int) -> int:
+    """The reused buffer for `total` bytes moved piece by piece through host memory (a
+    drain reading a local file, a replica landing): a sixteenth of them in whole pages,
+    at least 1 MiB and at most CHUNK. A fixed CHUNK was as large as a small model's
+    whole part (debugmodel: 36 MiB a rank), so the host memory held beside the
+    staging buffer stays a small share of the state at any size (issue 15)."""
+    return min(CHUNK, max(1 << 20, -(-total // 16 // PAGE) * PAGE))
+
+
 def read_spans(path: str, expect: dict, spans: list, resume: int = 0):
     """Yields (offset, piece) for the bytes of `spans` ((start, end) pairs, sorted,
     page-aligned starts) at or after `resume`, each piece valid until the next is asked
@@ -92,7 +101,7 @@ def read_spans(path: str, expect: dict, spans: list, resume: int = 0):
     CorruptCheckpoint after the last piece if the size or CRC-32C differ, so a consumer
     that wrote the pieces elsewhere must fail what it wrote."""
     fd = _open_for_read(path)
-    buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
+    buf = mmap.mmap(-1, piece_size(os.fstat(fd).st_size))  # page-aligned, as O_DIRECT needs
     view, crc, size, k = memoryview(buf), 0, 0, 0
     try:
         while n := os.preadv(fd, [buf], size):
@@ -110,7 +119,7 @@ def read_spans(path: str, expect: dict, spans: list, resume: int = 0):
                 if b > hi:
                     break
                 k += 1
-            if n < CHUNK:
+            if n < len(buf):
                 break
     finally:
         if hasattr(os, "posix_fadvise"):
