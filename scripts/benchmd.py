@@ -1,14 +1,32 @@
 """The one place the benchmark scripts write BENCHMARKS.md: each owns one `## ` section."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 
+def host() -> str:
+    """The machine a section was measured on: this project's machines change host from
+    day to day (CPU model, vector units, memory bandwidth), and a step's time with them."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown"
+    flags = info.get("flags", "").split()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{info.get('model name', 'unknown CPU')}, {vector}, {os.cpu_count()} cores"
+
+
 def update_section(path: Path, title: str, body: str) -> None:
-    """Replace section `title` (up to the next `## ` heading) with `body`, or append it."""
+    """Replace section `title` (up to the next `## ` heading) with `body` and the host
+    it was measured on, or append it."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{title}\n\n{body.strip()}\n"
+    block = f"{title}\n\n{body.strip()}\n\nMeasured on: {host()}.\n"
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.rstrip() == title), None)
     if start is None:
