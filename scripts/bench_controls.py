@@ -181,10 +181,8 @@ def run(work: Path, flavor: str, kind: str, cpu_s: float) -> None:
     import bench_overhead as bo
     from harness import torchrun
 
-    model, seq, batch, steps, nproc, _ = bo.MODELS[flavor]
-    common = [f"--model.flavor={model}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
-              f"--training.steps={steps}", "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
-              "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only"]
+    _, _, _, steps, nproc, _ = bo.MODELS[flavor]
+    common = bo.job_args(flavor)
     if kind in ("tiers", "local-only"):
         pfs_every = bo.PFS_EVERY if kind == "tiers" else 10 * steps
         args, module, env = [f"--checkpoint.local_interval={bo.LOCAL_EVERY}",

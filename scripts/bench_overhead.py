@@ -171,11 +171,18 @@ state more in the steps it happened) and a replica landed through 64 MiB (1.8x d
 state); both now use one buffer of a sixteenth of the part, 1 to 16 MiB (files.piece_size)."""
 
 
+def job_args(flavor: str) -> list[str]:
+    """The job's torchtitan options (the controls' jobs run the same)."""
+    model, seq, batch, steps, _, _ = MODELS[flavor]
+    return [f"--model.flavor={model}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
+            f"--training.steps={steps}", "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
+            "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only",
+            *harness.cpu_precision_args()]
+
+
 def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
-    model, seq, batch, steps, nproc, keys = MODELS[flavor]
-    common = [f"--model.flavor={model}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
-              f"--training.steps={steps}", "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
-              "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only"]
+    _, _, _, _, nproc, keys = MODELS[flavor]
+    common = job_args(flavor)
     ckpt = ([f"--checkpoint.local_interval={LOCAL_EVERY}", f"--checkpoint.interval={PFS_EVERY}", *keys] if tiers
             else ["--checkpoint.no-enable"])
     launch = harness.LAUNCH

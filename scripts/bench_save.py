@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmd import record_targets, update_section  # noqa: E402
+import harness  # noqa: E402
 from harness import ckpt_events, events, torchrun  # noqa: E402
 
 from titan_ckpt_plus.staging import HostBuffer  # noqa: E402
@@ -128,7 +129,8 @@ def bench(flavor: str, base: Path) -> dict:
     seq, batch, steps, every = MODELS[flavor]
     common = [f"--model.flavor={flavor}", f"--training.seq_len={seq}",
               f"--training.local_batch_size={batch}", f"--training.steps={steps}",
-              "--checkpoint.keep_latest_k=2", "--checkpoint.local_keep_latest_k=2"]
+              "--checkpoint.keep_latest_k=2", "--checkpoint.local_keep_latest_k=2",
+              *harness.cpu_precision_args()]
     out = {"flavor": flavor}
     for mode in ("disabled", "async"):
         out[mode] = run_stock(base / f"{flavor}-{mode}", flavor, mode, common, every, steps)

@@ -19,7 +19,11 @@ def host() -> str:
         return "unknown"
     flags = info.get("flags", "").split()
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{info.get('model name', 'unknown CPU')}, {vector}, {os.cpu_count()} cores"
+    from titan_ckpt_plus.cpu_fallback import cpu_has_bf16_dot
+
+    bf16 = ("bf16 dot products" if cpu_has_bf16_dot()
+            else "no bf16 dot products (the jobs train in fp32 mixed precision: harness.cpu_precision_args)")
+    return f"{info.get('model name', 'unknown CPU')}, {vector}, {bf16}, {os.cpu_count()} cores"
 
 
 def update_section(path: Path, title: str, body: str) -> None:

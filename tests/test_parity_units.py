@@ -72,6 +72,17 @@ def test_integer_histc_counts_as_float_histc_does(lo, hi, bins):
     assert torch.equal(torch.histc(f, bins=4), cpu_fallback._histc_integer.original(f, bins=4))
 
 
+@pytest.mark.parametrize("flags,native", [("fpu avx2 avx512f avx512_bf16", True), ("fpu avx2 amx_bf16", True),
+                                           ("fpu avx2 avx512f", False), (None, True)])
+def test_bf16_dot_products_are_read_from_the_cpu_flags(tmp_path, flags, native):
+    """The benchmarks train in fp32 where bf16 GEMMs would fall back to a scalar loop;
+    a CPU whose flags cannot be read keeps torchtitan's default."""
+    info = tmp_path / "cpuinfo"
+    if flags is not None:
+        info.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    assert cpu_fallback.cpu_has_bf16_dot(str(info)) is native
+
+
 def test_digest_sees_every_byte_dtype_and_value():
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 3},
              "opt": {"state": {"w": {"exp_avg": torch.ones(3, dtype=torch.bfloat16)}}}}
