@@ -20,6 +20,7 @@ which leaves one of the 2 cores to the checkpointer's threads.
 import argparse
 import os
 import re
+import shlex
 import shutil
 import statistics
 import sys
@@ -783,6 +784,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--launch-bound-only", action="store_true",
                     help="only the launch-bound rows, with 100M's state per rank, printed")
+    ap.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --update writes")
     ap.add_argument("--memory-only", action="store_true",
                     help="only the plugin's own host memory, no training (plugin_memory), in its own section")
     ap.add_argument("--memory-worker", help=argparse.SUPPRESS)  # plugin_memory's ranks
@@ -891,8 +893,10 @@ def main() -> None:
     if not args.jobs_only:
         targets += plugin_memory_rows(base)
     body = "\n".join([
-        "Command: `.venv/bin/python scripts/bench_overhead.py --update BENCHMARKS.md` "
-        f"({time.strftime('%Y-%m-%d')}, 2 CPU ranks but where the row says 1, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}; "
+        "Command: `" + " ".join([".venv/bin/python scripts/bench_overhead.py --update BENCHMARKS.md",
+                                 *([f"--models {args.models}"] if args.models != ",".join(MODELS) else []),
+                                 *([f"--section {shlex.quote(args.section)}"] if args.section != SECTION else [])])
+        + f"` ({time.strftime('%Y-%m-%d')}, 2 CPU ranks but where the row says 1, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}; "
         f"{RUNS} jobs with the tiers on and {RUNS} with checkpointing off per model, interleaved).",
         "",
         "| model | state per rank | undisturbed step | floor (copy + CRC, share of a step) | "
@@ -914,7 +918,7 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)  # several GiB of checkpoints per run
     record_targets("overhead", targets)
     if args.update:
-        update_section(args.update, SECTION, body)
+        update_section(args.update, args.section, body)
 
 
 if __name__ == "__main__":
