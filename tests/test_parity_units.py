@@ -83,6 +83,22 @@ def test_bf16_dot_products_are_read_from_the_cpu_flags(tmp_path, flags, native):
     assert cpu_fallback.cpu_has_bf16_dot(str(info)) is native
 
 
+@pytest.mark.parametrize("active,native,dtype,sharded,warned", [
+    (True, False, "bfloat16", True, True), (True, True, "bfloat16", True, False),
+    (True, False, "float32", True, False), (True, False, "bfloat16", False, False),
+    (False, False, "bfloat16", True, False)])
+def test_bf16_on_a_cpu_without_bf16_dot_products_is_warned_with_the_fix(monkeypatch, active, native,
+                                                                         dtype, sharded, warned):
+    """Only where the fallback runs, the model is sharded (FSDP applies param_dtype) in bf16
+    and the CPU lacks bf16 dot products; the warning names the key and the value to set."""
+    monkeypatch.setattr(cpu_fallback, "_ACTIVE", active)
+    monkeypatch.setattr(cpu_fallback, "cpu_has_bf16_dot", lambda: native)
+    why = cpu_fallback.slow_bf16_warning(dtype, sharded)
+    assert (why is not None) is warned
+    if warned:
+        assert "mixed_precision_param" in why and '"float32"' in why
+
+
 def test_digest_sees_every_byte_dtype_and_value():
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 3},
              "opt": {"state": {"w": {"exp_avg": torch.ones(3, dtype=torch.bfloat16)}}}}

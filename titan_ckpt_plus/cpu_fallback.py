@@ -53,6 +53,18 @@ def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
+def slow_bf16_warning(param_dtype: str, sharded: bool) -> str | None:
+    """What to tell a CPU job that trains in bf16 mixed precision (FSDP's param_dtype,
+    applied only when the model is sharded) on a CPU without bf16 dot products: its
+    steps are several times slower and nothing else says why."""
+    if not _ACTIVE or not sharded or param_dtype != "bfloat16" or cpu_has_bf16_dot():
+        return None
+    return ("this CPU has no bf16 dot products (no avx512_bf16 or amx_bf16): [training] "
+            'mixed_precision_param = "bfloat16" runs every matrix multiply in a scalar loop, '
+            'several times slower. Fix: mixed_precision_param = "float32" '
+            "(--training.mixed_precision_param=float32); the state saved is fp32 either way.")
+
+
 def is_active() -> bool:
     """True once the CPU fallback has been applied in this process."""
     return _ACTIVE

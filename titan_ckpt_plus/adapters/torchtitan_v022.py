@@ -102,6 +102,7 @@ class TieredCheckpointManager(_StockManager):
         self.ledger = FailureLedger(ledger_path) if rank == 0 else None
         self.incarnation = f"{int(time.time())}-{os.getpid()}"
         trainer = states.get(tt_checkpoint.TRAIN_STATE)
+        self._warn_slow_bf16(trainer, rank)
         self._metrics_logger = getattr(getattr(trainer, "metrics_processor", None), "logger", None)
         self._wandb_declared = False
         self._last_heartbeat = 0.0
@@ -384,6 +385,16 @@ class TieredCheckpointManager(_StockManager):
             self.events.submit(self.ledger.clean_end, self.incarnation, t=time.time())
         trainer = self.states[tt_checkpoint.TRAIN_STATE]  # torchtitan's Trainer
         trainer.job_config.training.steps = step  # the loop ends after this step
+
+    @staticmethod
+    def _warn_slow_bf16(trainer, rank: int) -> None:
+        """CPU fallback only: bf16 mixed precision on a CPU that multiplies it slowly."""
+        job, dims = getattr(trainer, "job_config", None), getattr(trainer, "parallel_dims", None)
+        if rank != 0 or job is None or dims is None:
+            return
+        why = cpu_fallback.slow_bf16_warning(job.training.mixed_precision_param, dims.fsdp_enabled)
+        if why:
+            logger.warning(f"[titan_ckpt_plus] {why}")
 
     def _overdue(self) -> None:
         logger.error(f"[titan_ckpt_plus] preemption grace of {self._grace_s:g}s is over; "
