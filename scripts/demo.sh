@@ -10,9 +10,16 @@ export OMP_NUM_THREADS=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TORCH_DISABLE_SH
 DUMP=outputs/debug_tiered
 rm -rf "$DUMP" outputs/demo-run*.log
 mkdir -p outputs
+# fp32 mixed precision where the CPU has no bf16 dot products (bf16 would run a scalar
+# matrix multiply, each step several times slower; the saved state is fp32 either way).
+PRECISION=()
+if ! .venv/bin/python -c "import sys; from titan_ckpt_plus.cpu_fallback import cpu_has_bf16_dot as f; sys.exit(not f())"; then
+  PRECISION=(--training.mixed_precision_param=float32)
+  echo "== this CPU has no bf16 dot products: training in fp32 mixed precision"
+fi
 train() {
   .venv/bin/torchrun --standalone --nproc_per_node 2 -m torchtitan.train \
-    --job.config_file train_configs/debug_tiered.toml "$@"
+    --job.config_file train_configs/debug_tiered.toml "${PRECISION[@]}" "$@"
 }
 echo "== run 1: training; rank 1 will be killed after step 27 (log: outputs/demo-run1.log)"
 if TITAN_CKPT_FAULT="kill_after_step@27:1" train > outputs/demo-run1.log 2>&1; then
