@@ -7,7 +7,8 @@
   - extra host memory: peak RSS per rank with the tiers on minus the same job's with
     checkpointing off, against the rank's state bytes;
   - a launch-bound loop (many tiny ops, standing in for a GPU step's Python dispatch)
-    slowed by a save + drain running in the same process.
+    slowed by a save + drain running in the same process, and, as a control, by the same
+    save + drain in a helper process.
 
     .venv/bin/python scripts/bench_overhead.py [--update BENCHMARKS.md] [--models debugmodel,100M,...]
 
@@ -64,6 +65,7 @@ LABELS = {"debugmodel-copyinsave": "debugmodel, staging_copy = \"save\" (not the
 LOCAL_EVERY, PFS_EVERY = 3, 6
 LAUNCH_BOUND_BYTES = 614_571_000  # 100M's state per rank (586.1 MiB), for --launch-bound-only
 RUNS = 3  # jobs with the tiers on, and as many with checkpointing off
+LAUNCH_REPS = 5  # rounds of the launch-bound ways: one pass can be 20 points off the next
 SECTION = "## Overhead: what training notices of checkpointing"
 READING = """How to read it. The drain is a copy: the local part is in DCP's per-rank form, so the
 drain writes this rank's frames from the staging buffer while it holds the step (else from the
@@ -140,9 +142,12 @@ margin the target leaves. "Beside the staging buffer" is that difference less th
 largest, which that wandering moves less (the target is judged on the largest). The
 probe row times the three ways of making the PFS step in one idle process. The launch-bound
 rows are the same loop beside the same save + drain with the background threads at training's
-priority, 10 below it, and in SCHED_IDLE, each 3 times round-robin; the stall row is the share
-of the loop's time in waits long enough to be the GIL's (a helper process would remove only
-those). Peak RSS during saves and drains is each rank's peak per step (reset at every step),
+priority, 10 below it, and in SCHED_IDLE, and beside that SCHED_IDLE save + drain run by a
+helper process (the control: what is left once the loop shares no GIL with it), each way
+LAUNCH_REPS times round-robin, the loop's mean time alone (for as long as the last save +
+drain took) against its mean during; the stall row is the share of the loop's time in waits
+long enough to be a forced GIL hand-over (shorter hand-overs cost it too: the helper row
+bounds what they all add up to). Peak RSS during saves and drains is each rank's peak per step (reset at every step),
 over the steps the tiers-on job saved or drained in, against the same steps of the job with
 checkpointing off; the whole job's peak also counts start-up and the last step (until
 48ee06b it was the kernel's peak at exit, which the per-step reset had cut to the last step's,
@@ -419,10 +424,10 @@ def write_kernel_s(nbytes: int, folder: Path, total: int = 2 << 30) -> float:
     return statistics.median(spent)
 
 
-def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int = 5) -> dict:
-    """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
-    run in this process (world size 1, gloo), their threads `nice` below the loop's
-    (and in SCHED_IDLE with `idle`)."""
+def _bench_checkpointer(nbytes: int, folder: Path, nice: int, idle: bool):
+    """The launch-bound rows' checkpointer: world size 1 (gloo), `nbytes` of state in 16
+    tensors, local and PFS every step, its threads `nice` below (and in SCHED_IDLE with
+    `idle`). Returns it and what to call at the end."""
     import torch.distributed as dist
 
     from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
@@ -436,6 +441,78 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
     s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 1, 2, 2, 0, 1, True, job_id="bench",
                      background_nice=nice, background_idle=idle)
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
+
+    def close() -> None:
+        ck.close()
+        dist.destroy_process_group()
+    return ck, close
+
+
+class _SaveHere:
+    """A save + drain in this process: staged in start(), written and drained by a
+    thread while the loop runs (the loop is one long step)."""
+
+    def __init__(self, *args) -> None:
+        self.ck, self.close = _bench_checkpointer(*args)
+
+    def start(self, step: int) -> None:
+        self.ck.save(step)
+        self.ck.wait_for_staging()
+        self.busy = threading.Thread(target=self.ck.flush, args=(False,))
+        self.busy.start()
+
+    def done(self) -> bool:
+        return not self.busy.is_alive()
+
+    def finish(self) -> None:
+        self.busy.join()
+
+
+def _helper(conn, *args) -> None:
+    """The helper process of _SaveInHelper: its own state, checkpointer and GIL."""
+    torch.set_num_threads(1)
+    ck, close = _bench_checkpointer(*args)
+    while (step := conn.recv()) is not None:
+        ck.save(step)
+        ck.wait_for_staging()
+        conn.send("staged")
+        ck.flush(False)
+        conn.send("done")
+    close()
+
+
+class _SaveInHelper:
+    """The same save + drain in a helper process (what torchtitan's async_with_pinned_mem
+    does with its writes): the loop shares no GIL with it, only the machine."""
+
+    def __init__(self, *args) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_helper, args=(theirs, *args))
+        self.proc.start()
+
+    def start(self, step: int) -> None:
+        self.conn.send(step)
+        self.conn.recv()
+
+    def done(self) -> bool:
+        return self.conn.poll()
+
+    def finish(self) -> None:
+        self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join()
+
+
+def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int = 5,
+                 helper: bool = False) -> dict:
+    """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
+    run in this process (in a helper process with `helper`), their threads `nice`
+    below the loop's (and in SCHED_IDLE with `idle`)."""
 
     def loop(k: int = 40) -> float:
         """k x 100 tiny ops; the time of each 100 that took 2 ms or more (about 0.2 ms
@@ -453,26 +530,31 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
             t0 = t1
         return t0 - start
 
-    # alone and during interleaved, round by round: the machine's speed drifts over
-    # seconds (a previous job's writeback, the host), and 15 samples taken first once
-    # made the loop look 30% faster during saves than alone
+    saver = (_SaveInHelper if helper else _SaveHere)(nbytes, folder, nice, idle)
+    # alone and during interleaved, round by round, alone for as long as the last
+    # round's save + drain: the machine's speed drifts over seconds (a previous job's
+    # writeback, the host; one VM's loop ran 16 ms or 26-32 ms a sample, switching
+    # every few hundred ms), and 3 samples alone a round against a second of samples
+    # during moved the median by up to 40 points from run to run
     alone, during, stalls, stalled = [], [], [], {"alone": 0.0, "during": 0.0}
+    last = 0.5
     for step in range(1, rounds + 1):
-        alone += [loop() for _ in range(3)]
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < last:
+            alone.append(loop())
         stalled["alone"] += sum(stalls)
         del stalls[:]
-        ck.save(step)
-        ck.wait_for_staging()
-        busy = threading.Thread(target=ck.flush, args=(False,))  # the loop is one long step
-        busy.start()
-        while busy.is_alive():
+        saver.start(step)
+        t0 = time.perf_counter()
+        while not saver.done():
             during.append(loop())
-        busy.join()
+        last = time.perf_counter() - t0
+        saver.finish()
         stalled["during"] += sum(stalls)
         del stalls[:]
-    ck.close()
-    dist.destroy_process_group()
-    return {"alone_s": statistics.median(alone), "during_s": statistics.median(during), "samples": len(during),
+    saver.close()
+    # means: the loop's speed is bimodal on some hosts, and a median jumps between modes
+    return {"alone_s": statistics.fmean(alone), "during_s": statistics.fmean(during), "samples": len(during),
             "stalled_alone": stalled["alone"] / sum(alone), "stalled_during": stalled["during"] / sum(during)}
 
 
@@ -733,28 +815,34 @@ def plugin_memory_rows(base: Path) -> list[tuple]:
 
 
 def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
-    """The launch-bound target at nice 0, nice 10 and in SCHED_IDLE: the three ways
-    round-robin, 3 times, the median of each: on this machine one pass can be 15
-    points off the next (its speed moves within seconds)."""
-    ways = ((0, False), (10, False), (0, True))
+    """The launch-bound target at nice 0, nice 10 and in SCHED_IDLE, and the SCHED_IDLE
+    save + drain in a helper process as a control: the ways round-robin, LAUNCH_REPS
+    times, the median of each: one pass can be 20 points off the next (the machine's
+    speed moves within seconds)."""
+    ways = ((0, False, False), (10, False, False), (0, True, False), (0, True, True))
     slows: dict = {w: [] for w in ways}
     stalled: dict = {"alone": [], "during": []}
-    for rep in range(3):
-        for nice, idle in ways:
-            lb = launch_bound(nbytes, base / f"launch-{nice}-{idle}-{rep}", nice, idle)
-            shutil.rmtree(base / f"launch-{nice}-{idle}-{rep}", ignore_errors=True)
-            slows[(nice, idle)].append(lb["during_s"] / lb["alone_s"] - 1)
-            stalled["alone"].append(lb["stalled_alone"])
-            stalled["during"].append(lb["stalled_during"])
+    for rep in range(LAUNCH_REPS):
+        for nice, idle, helper in ways:
+            folder = base / f"launch-{nice}-{idle}-{helper}-{rep}"
+            lb = launch_bound(nbytes, folder, nice, idle, helper=helper)
+            shutil.rmtree(folder, ignore_errors=True)
+            slows[(nice, idle, helper)].append(lb["during_s"] / lb["alone_s"] - 1)
+            if not helper:
+                stalled["alone"].append(lb["stalled_alone"])
+                stalled["during"].append(lb["stalled_during"])
     rows = [("launch-bound loop: its time in stalls of 2 ms or more (a GIL hand-over waits 5 ms), "
              "alone / during a save + drain, all ways pooled (what a helper process could win back)",
              f"{statistics.median(stalled['alone']):.1%} / {statistics.median(stalled['during']):.1%}",
              "", None)]
-    for (nice, idle), got in slows.items():
+    for (nice, idle, helper), got in slows.items():
         slow = statistics.median(got)
         how = "SCHED_IDLE, as \"auto\" within a step" if idle else f"background_nice {nice}"
-        rows.append((f"launch-bound loop slowed by a concurrent save + drain (100M state, {how})",
-                     f"{slow:+.1%} (median of {', '.join(f'{g:+.1%}' for g in got)})", "<= 5%", slow <= 0.05))
+        what = ("the same save + drain in a helper process (a control: what a helper process leaves; "
+                if helper else "a concurrent save + drain (")
+        rows.append((f"launch-bound loop slowed by {what}100M state, {how})",
+                     f"{slow:+.1%} (median of {', '.join(f'{g:+.1%}' for g in got)})",
+                     *(("", None) if helper else ("<= 5%", slow <= 0.05))))
     return rows
 
 
