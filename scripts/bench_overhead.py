@@ -64,6 +64,7 @@ LABELS = {"debugmodel-copyinsave": "debugmodel, staging_copy = \"save\" (not the
           "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)"}
 LOCAL_EVERY, PFS_EVERY = 3, 6
 LAUNCH_BOUND_BYTES = 614_571_000  # 100M's state per rank (586.1 MiB), for --launch-bound-only
+BARE = ("debugmodel", "100M")  # issue 15's models get the BareMover control with --bare
 RUNS = 3  # jobs with the tiers on, and as many with checkpointing off
 LAUNCH_REPS = 5  # rounds of the launch-bound ways: one pass can be 20 points off the next
 SECTION = "## Overhead: what training notices of checkpointing"
@@ -145,9 +146,9 @@ rows are the same loop beside the same save + drain with the background threads 
 priority, 10 below it, and in SCHED_IDLE, and beside that SCHED_IDLE save + drain run by a
 helper process (the control: what is left once the loop shares no GIL with it), each way
 LAUNCH_REPS times round-robin, the loop's mean time alone (for as long as the last save +
-drain took) against its mean during; the stall row is the share of the loop's time in waits
-long enough to be a forced GIL hand-over (shorter hand-overs cost it too: the helper row
-bounds what they all add up to). Peak RSS during saves and drains is each rank's peak per step (reset at every step),
+drain took) against its mean during; the wait row counts the times the loop's thread slept
+during a save + drain (a thread of tiny ops waits for nothing but the GIL) and its share of
+that time asleep, in one process and beside a helper process. Peak RSS during saves and drains is each rank's peak per step (reset at every step),
 over the steps the tiers-on job saved or drained in, against the same steps of the job with
 checkpointing off; the whole job's peak also counts start-up and the last step (until
 48ee06b it was the kernel's peak at exit, which the per-step reset had cut to the last step's,
@@ -186,18 +187,23 @@ def job_args(flavor: str) -> list[str]:
             *harness.cpu_precision_args()]
 
 
-def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
+def run_job(work: Path, flavor: str, tiers: bool, bare_bytes: int = 0) -> tuple:
+    """One job, tiers on or checkpointing off; `bare_bytes`: checkpointing off, with a
+    BareMover per rank moving that many bytes at the saves' steps (the control)."""
     _, _, _, _, nproc, keys = MODELS[flavor]
     common = job_args(flavor)
     ckpt = ([f"--checkpoint.local_interval={LOCAL_EVERY}", f"--checkpoint.interval={PFS_EVERY}", *keys] if tiers
             else ["--checkpoint.no-enable"])
     launch = harness.LAUNCH
     harness.LAUNCH = [sys.executable, "-c", _PEAK_RSS, *launch]
+    movers = [BareMover(rank, bare_bytes, work) for rank in range(nproc)] if bare_bytes else []
     try:
         proc = torchrun(work, *common, *ckpt, timeout=1800, digests=False, nproc=nproc,
                         env={SCHED_LOG_ENV: str(work / "sched")})
     finally:
         harness.LAUNCH = launch
+        for m in movers:
+            m.stop()
     assert proc.returncode == 0, proc.stdout[-3000:]
     tail = int(re.findall(r"peak RSS of any rank: (\d+) KiB", proc.stdout)[-1]) * 1024
     return proc, max(tail, *step_peaks(work, nproc).values())
@@ -211,6 +217,89 @@ def run_job(work: Path, flavor: str, tiers: bool) -> tuple:
 _PEAK_RSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
              "print('peak RSS of any rank: %d KiB' % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
              "sys.exit(rc)")
+
+
+def _bare_mover(rank: int, nbytes: int, work: str, ready, stop) -> None:
+    """BareMover's process: at each step the loss log shows a save after, the bytes a
+    rank's save moves, by the syscalls the plugin's threads make and nothing else: a
+    memcpy of `nbytes` into a page-aligned buffer and its CRC-32C in SCHED_IDLE (as
+    the staging copy runs), then that buffer written durably, O_DIRECT, over a retired
+    file (as the local writer does, in the normal class); at a PFS step, once more into
+    a "PFS" file (as the drain does). No Python per tensor, no planning, no
+    collectives: what a save costs on this machine whatever code makes it. Rank 0's
+    mover logs its writes where step_classes looks for the plugin's."""
+    import json
+
+    from titan_ckpt_plus import priority
+
+    torch.set_num_threads(1)
+    buf = _page_aligned(nbytes)
+    state = torch.empty(len(buf), dtype=torch.uint8).fill_(3)
+    staged = torch.frombuffer(buf, dtype=torch.uint8)
+    root, tid = Path(work), threading.get_native_id()
+    out = root / "bare" / str(rank)
+    out.mkdir(parents=True, exist_ok=True)
+    log = root / "dump" / "titan_ckpt_plus" / "events.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(event: str, **fields) -> None:  # the plugin's EventLog's lines, rank 0's
+        if rank == 0:
+            with open(log, "a") as f:
+                f.write(json.dumps(dict(event=event, time=time.time(), **fields)) + "\n")
+
+    def write(name: str) -> float:
+        t0 = time.time()
+        with files.DurableBatch() as batch:
+            batch.write(str(out / name), buf, known_crc=lambda: crc, reuse=str(out / f"{name}.spare"))
+        files.retire(str(out / name), str(out / f"{name}.spare"))
+        return t0
+
+    ready.set()
+    done, size = 0, 0
+    while not stop.is_set():
+        time.sleep(0.005)  # a stat 200 times a second: about 0.2% of a core
+        path = root / "losses.jsonl"
+        if not path.exists() or path.stat().st_size == size:
+            continue
+        size = path.stat().st_size
+        logged = [r["step"] for r in events(path, "loss")]
+        if not logged or max(logged) <= done:
+            continue
+        done = max(logged)
+        if done % LOCAL_EVERY:
+            continue
+        priority.set_class(tid, idle=True)
+        staged.copy_(state)
+        crc = files.checksum(buf)
+        priority.set_class(tid, idle=False)
+        write("local")
+        record("local_commit", step=done, bytes=nbytes)
+        if done % PFS_EVERY == 0:
+            t0 = write("pfs")
+            record("pfs_commit", step=done, bytes=nbytes, background_write_s=time.time() - t0)
+
+
+class BareMover:
+    """The control beside the jobs: a process per rank that moves a save's bytes at
+    the saves' steps of a job with checkpointing off (_bare_mover). Its steps' inflation
+    is what moving the bytes costs training on this machine; the tiers' beyond it is
+    the plugin's own."""
+
+    def __init__(self, rank: int, nbytes: int, work: Path) -> None:
+        import multiprocessing
+
+        spawn = multiprocessing.get_context("spawn")
+        self.ready, self._stop, self.work = spawn.Event(), spawn.Event(), work
+        self.proc = spawn.Process(target=_bare_mover, args=(rank, nbytes, str(work), self.ready, self._stop))
+        self.proc.start()
+        while not self.ready.wait(0.5):  # its buffers allocated before the job starts
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the bare mover of rank {rank} died, exit code {self.proc.exitcode}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.proc.join()
+        shutil.rmtree(self.work / "bare", ignore_errors=True)
 
 
 def step_classes(work: Path, steps: int) -> dict[int, str]:
@@ -251,6 +340,21 @@ def classify_steps(work: Path, steps: int) -> dict[str, list[float]]:
         if s in t and s - 1 in t and drains and t[s - 1] >= drains[0]["time"]:
             out["all"].append(t[s] - t[s - 1])
     return out
+
+
+def inflation(works: list[Path], steps: int) -> tuple[dict, float]:
+    """Each kind of step's inflation over `works` (classify_steps; each step against its
+    own job's median undisturbed step, the steps pooled, the median taken; "all": a PFS
+    period's extra time in all, its steps' mean extra x its steps) and the median
+    undisturbed step."""
+    per_run = [classify_steps(w, steps) for w in works]
+    unds = [statistics.median(r["undisturbed"]) for r in per_run]
+    infl = {}
+    for k in ("local", "local_drain", "drain", "first_local", "first_drain", "all"):
+        shares = [t / u - 1 for r, u in zip(per_run, unds) for t in r[k]]
+        if shares:
+            infl[k] = statistics.mean(shares) * PFS_EVERY if k == "all" else statistics.median(shares)
+    return infl, statistics.median(unds)
 
 
 def step_peaks(work: Path, ranks: int) -> dict[int, int]:
@@ -508,27 +612,32 @@ class _SaveInHelper:
         self.proc.join()
 
 
+def _loop_thread() -> tuple[int, float, float]:
+    """This thread's (voluntary context switches, seconds on a CPU, seconds waiting for
+    one) so far, from /proc: a thread of tiny ops sleeps only to wait for the GIL."""
+    tid = threading.get_native_id()
+    with open(f"/proc/self/task/{tid}/status") as f:
+        switches = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        run, wait, _ = (int(x) for x in f.read().split())
+    return switches, run / 1e9, wait / 1e9
+
+
 def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int = 5,
                  helper: bool = False) -> dict:
     """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
     run in this process (in a helper process with `helper`), their threads `nice`
-    below the loop's (and in SCHED_IDLE with `idle`)."""
+    below the loop's (and in SCHED_IDLE with `idle`). Also how often the loop's thread
+    went to sleep during them (each a wait for the GIL) and its share of time asleep."""
 
     def loop(k: int = 40) -> float:
-        """k x 100 tiny ops; the time of each 100 that took 2 ms or more (about 0.2 ms
-        undisturbed) goes to `stalls`: waiting for the GIL takes a switch interval (5 ms)
-        before the holder is asked to let go, so a helper process would win back at
-        most these."""
+        """k x 100 tiny ops."""
         x = torch.ones(4)
-        start = t0 = time.perf_counter()
+        start = time.perf_counter()
         for _ in range(k):
             for _ in range(100):
                 x = x + 1
-            t1 = time.perf_counter()
-            if t1 - t0 >= 2e-3:
-                stalls.append(t1 - t0)
-            t0 = t1
-        return t0 - start
+        return time.perf_counter() - start
 
     saver = (_SaveInHelper if helper else _SaveHere)(nbytes, folder, nice, idle)
     # alone and during interleaved, round by round, alone for as long as the last
@@ -536,26 +645,24 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
     # writeback, the host; one VM's loop ran 16 ms or 26-32 ms a sample, switching
     # every few hundred ms), and 3 samples alone a round against a second of samples
     # during moved the median by up to 40 points from run to run
-    alone, during, stalls, stalled = [], [], [], {"alone": 0.0, "during": 0.0}
+    alone, during, sleeps, asleep = [], [], 0, 0.0
     last = 0.5
     for step in range(1, rounds + 1):
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < last:
             alone.append(loop())
-        stalled["alone"] += sum(stalls)
-        del stalls[:]
         saver.start(step)
-        t0 = time.perf_counter()
+        (n0, run0, wait0), t0 = _loop_thread(), time.perf_counter()
         while not saver.done():
             during.append(loop())
-        last = time.perf_counter() - t0
+        (n1, run1, wait1), last = _loop_thread(), time.perf_counter() - t0
         saver.finish()
-        stalled["during"] += sum(stalls)
-        del stalls[:]
+        sleeps += n1 - n0
+        asleep += last - (run1 - run0) - (wait1 - wait0)
     saver.close()
     # means: the loop's speed is bimodal on some hosts, and a median jumps between modes
     return {"alone_s": statistics.fmean(alone), "during_s": statistics.fmean(during), "samples": len(during),
-            "stalled_alone": stalled["alone"] / sum(alone), "stalled_during": stalled["during"] / sum(during)}
+            "sleeps": sleeps / rounds, "asleep": asleep / sum(during)}
 
 
 def _neighbour(kind: str, nbytes: int, path: str, ready, stop) -> None:
@@ -821,19 +928,19 @@ def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
     speed moves within seconds)."""
     ways = ((0, False, False), (10, False, False), (0, True, False), (0, True, True))
     slows: dict = {w: [] for w in ways}
-    stalled: dict = {"alone": [], "during": []}
+    sleeps: dict = {False: [], True: []}  # the SCHED_IDLE ways': in this process, in a helper
     for rep in range(LAUNCH_REPS):
         for nice, idle, helper in ways:
             folder = base / f"launch-{nice}-{idle}-{helper}-{rep}"
             lb = launch_bound(nbytes, folder, nice, idle, helper=helper)
             shutil.rmtree(folder, ignore_errors=True)
             slows[(nice, idle, helper)].append(lb["during_s"] / lb["alone_s"] - 1)
-            if not helper:
-                stalled["alone"].append(lb["stalled_alone"])
-                stalled["during"].append(lb["stalled_during"])
-    rows = [("launch-bound loop: its time in stalls of 2 ms or more (a GIL hand-over waits 5 ms), "
-             "alone / during a save + drain, all ways pooled (what a helper process could win back)",
-             f"{statistics.median(stalled['alone']):.1%} / {statistics.median(stalled['during']):.1%}",
+            if idle:
+                sleeps[helper].append((lb["sleeps"], lb["asleep"]))
+    rows = [("launch-bound loop: its thread's waits for the GIL (the times it slept) per save + drain, and "
+             "its share of time asleep, the SCHED_IDLE save + drain in this process / in a helper process",
+             " / ".join(f"{statistics.median(n for n, _ in sleeps[h]):.0f} waits, "
+                        f"{statistics.median(a for _, a in sleeps[h]):.1%} asleep" for h in (False, True)),
              "", None)]
     for (nice, idle, helper), got in slows.items():
         slow = statistics.median(got)
@@ -878,6 +985,9 @@ def main() -> None:
     ap.add_argument("--memory-worker", help=argparse.SUPPRESS)  # plugin_memory's ranks
     ap.add_argument("--step-s", type=float, default=0.2, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--bare", action="store_true",
+                    help="a third job per run of debugmodel and 100M: checkpointing off, a BareMover per "
+                         "rank moving the same bytes at the same steps (the control), in its own table")
     ap.add_argument("--jobs-only", action="store_true",
                     help="the jobs' rows only, without 100M's probes and launch-bound rows (A/B runs)")
     args = ap.parse_args()
@@ -894,18 +1004,22 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
         return
     base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-    rows, targets, probe, phase_lines = [], [], "", []
+    rows, targets, probe, phase_lines, bare_rows = [], [], "", [], []
     for flavor in args.models.split(","):
         # RUNS jobs each way, interleaved: a job's own peak RSS moves by up to a tenth from
         # run to run, so each tiers-on job is compared with the job run just before it and
         # the median pair is taken; the steps' samples are pooled, each against its own
         # run's undisturbed step
-        ons, whole, busy, typical = [], [], [], []
+        ons, whole, busy, typical, bares = [], [], [], [], []
         for i in range(RUNS):
             off = run_job(base / f"{flavor}-off{i}", flavor, tiers=False)[1]
             ons.append(base / f"{flavor}-tiers{i}")
             whole.append((off, run_job(ons[-1], flavor, tiers=True)[1]))
             drop_checkpoints(ons[-1])
+            if args.bare and flavor in BARE:  # the rank's bytes as the tiers' first job saved them
+                bares.append(base / f"{flavor}-bare{i}")
+                run_job(bares[-1], flavor, tiers=False,
+                        bare_bytes=int(statistics.median(e["bytes"] for e in ckpt_events(ons[0], "local_commit"))))
             pair = (ons[-1], base / f"{flavor}-off{i}", MODELS[flavor][3], MODELS[flavor][4])
             busy.append(peak_during(*pair))
             typical.append(peak_during(*pair, how=statistics.median))
@@ -916,15 +1030,19 @@ def main() -> None:
         drains = [e for w in ons for e in ckpt_events(w, "pfs_commit")]
         rank_bytes = statistics.median(e["bytes"] for e in commits)
         ranks, name = MODELS[flavor][4], LABELS.get(flavor, flavor)
-        per_run = [classify_steps(w, MODELS[flavor][3]) for w in ons]
-        unds = [statistics.median(r["undisturbed"]) for r in per_run]
-        und = statistics.median(unds)
+        infl, und = inflation(ons, MODELS[flavor][3])
         floor = floor_s(int(rank_bytes)) / und
-        infl = {}
-        for k in ("local", "local_drain", "drain", "first_local", "first_drain", "all"):
-            shares = [t / u - 1 for r, u in zip(per_run, unds) for t in r[k]]
-            if shares:  # "all": what a PFS period costs in all, its steps' mean extra x its steps
-                infl[k] = statistics.mean(shares) * PFS_EVERY if k == "all" else statistics.median(shares)
+        if bares:
+            bare = inflation(bares, MODELS[flavor][3])[0]
+            bare_rows.append(f"| {name} | {shown(infl, 'local')} / {shown(bare, 'local')} | "
+                             f"{shown(infl, 'local_drain')} / {shown(bare, 'local_drain')} | "
+                             f"{shown(infl, 'drain')} / {shown(bare, 'drain')} | "
+                             f"{shown(infl, 'all', '+.2f')} / {shown(bare, 'all', '+.2f')} |")
+            for k in ("local", "local_drain"):
+                if k in bare:
+                    targets.append((f"{name}: step inflation during {INFLATION[k]}, the same bytes moved by a "
+                                    "bare process instead (control: what moving them costs on this machine)",
+                                    f"{bare[k]:+.3f} of a step", "", None))
         limits = pooled_limits([machine_limits(int(rank_bytes), w / "dump" / "checkpoint" / "bw", ranks=ranks)
                                 for w in ons])
         drain_s = statistics.median(e["background_write_s"] for e in drains)
@@ -983,6 +1101,7 @@ def main() -> None:
     body = "\n".join([
         "Command: `" + " ".join([".venv/bin/python scripts/bench_overhead.py --update BENCHMARKS.md",
                                  *([f"--models {args.models}"] if args.models != ",".join(MODELS) else []),
+                                 *(["--bare"] if args.bare else []), *(["--jobs-only"] if args.jobs_only else []),
                                  *([f"--section {shlex.quote(args.section)}"] if args.section != SECTION else [])])
         + f"` ({time.strftime('%Y-%m-%d')}, 2 CPU ranks but where the row says 1, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}; "
         f"{RUNS} jobs with the tiers on and {RUNS} with checkpointing off per model, interleaved).",
@@ -998,6 +1117,15 @@ def main() -> None:
         *rows, "",
         "| target | measured | wanted | met? |", "|---|---|---|---|",
         *[f"| {w} | {m} | {t} | {_verdict(ok)} |" for w, m, t, ok in targets],
+        *(["", "The same jobs' steps against a control run in turn with them: checkpointing off, and a "
+            "process per rank moving the rank's bytes at the saves' steps by the plugin's own syscalls "
+            "(memcpy + CRC-32C in SCHED_IDLE, an O_DIRECT fsync'd write over a retired file, once more "
+            "at a PFS step; BareMover). What the bare process costs is what moving the bytes costs "
+            "training on this machine; the tiers' excess over it is the plugin's own (its Python, "
+            "planning, collectives, and the GIL it shares with training).", "",
+            "| model | inflation, local save: tiers / bare | a PFS save's local save + drain start: tiers / bare | "
+            "rest of the drain: tiers / bare | a PFS period's extra time in all, in steps: tiers / bare |",
+            "|---|---|---|---|---|", *bare_rows] if bare_rows else []),
         "", *[f"- {line}" for line in phase_lines],
         "", "The drain's ways, side by side: " + probe if probe else "",
         "", READING,
