@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmd import record_targets, update_section  # noqa: E402
-import harness  # noqa: E402
 from harness import ckpt_events, events, free_port, torchrun_nodes  # noqa: E402
+from titan_ckpt_plus.cpu_fallback import fp32_args  # noqa: E402
 from titan_ckpt_plus.tiers.files import piece_size  # noqa: E402
 
 SECTION = "## Replication and recovery"
@@ -120,7 +120,7 @@ def transport(nbytes: int, folder: Path) -> dict:
 
 def restarts(base: Path) -> list[dict]:
     common = ("--model.flavor=debugmodel", "--training.seq_len=64", "--checkpoint.replication_factor=1",
-              *harness.cpu_precision_args())
+              *fp32_args())
     killed = base / "killed"
     procs = torchrun_nodes(killed, *common, fault="kill_after_step@7:3", loss_log="run1.jsonl", timeout=900)
     assert any(p.returncode for p in procs)

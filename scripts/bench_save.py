@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmd import record_targets, update_section  # noqa: E402
-import harness  # noqa: E402
 from harness import ckpt_events, events, torchrun  # noqa: E402
 
+from titan_ckpt_plus.cpu_fallback import fp32_args  # noqa: E402
 from titan_ckpt_plus.staging import HostBuffer  # noqa: E402
 from titan_ckpt_plus.tiers import files  # noqa: E402
 
@@ -130,7 +130,7 @@ def bench(flavor: str, base: Path) -> dict:
     common = [f"--model.flavor={flavor}", f"--training.seq_len={seq}",
               f"--training.local_batch_size={batch}", f"--training.steps={steps}",
               "--checkpoint.keep_latest_k=2", "--checkpoint.local_keep_latest_k=2",
-              *harness.cpu_precision_args()]
+              *fp32_args()]
     out = {"flavor": flavor}
     for mode in ("disabled", "async"):
         out[mode] = run_stock(base / f"{flavor}-{mode}", flavor, mode, common, every, steps)

@@ -22,7 +22,7 @@ def host() -> str:
     from titan_ckpt_plus.cpu_fallback import cpu_has_bf16_dot
 
     bf16 = ("bf16 dot products" if cpu_has_bf16_dot()
-            else "no bf16 dot products (the jobs train in fp32 mixed precision: harness.cpu_precision_args)")
+            else "no bf16 dot products (the jobs train in fp32 mixed precision: cpu_fallback.fp32_args)")
     return f"{info.get('model name', 'unknown CPU')}, {vector}, {bf16}, {os.cpu_count()} cores"
 
 

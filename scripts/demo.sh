@@ -12,9 +12,8 @@ rm -rf "$DUMP" outputs/demo-run*.log
 mkdir -p outputs
 # fp32 mixed precision where the CPU has no bf16 dot products (bf16 would run a scalar
 # matrix multiply, each step several times slower; the saved state is fp32 either way).
-PRECISION=()
-if ! .venv/bin/python -c "import sys; from titan_ckpt_plus.cpu_fallback import cpu_has_bf16_dot as f; sys.exit(not f())"; then
-  PRECISION=(--training.mixed_precision_param=float32)
+read -ra PRECISION <<< "$(.venv/bin/python -c "from titan_ckpt_plus.cpu_fallback import fp32_args; print(*fp32_args())")"
+if [ ${#PRECISION[@]} -gt 0 ]; then
   echo "== this CPU has no bf16 dot products: training in fp32 mixed precision"
 fi
 train() {

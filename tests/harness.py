@@ -17,15 +17,6 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 LAUNCH = [str(TORCHRUN)] if TORCHRUN.exists() else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def cpu_precision_args() -> list[str]:
-    """For the benchmarks' jobs and the MoE test: fp32 mixed precision where this CPU has
-    no bf16 dot products (cpu_fallback.cpu_has_bf16_dot), which would otherwise dilute
-    what a save costs a step about ninefold. The checkpointed state is fp32 either way."""
-    from titan_ckpt_plus.cpu_fallback import cpu_has_bf16_dot
-
-    return [] if cpu_has_bf16_dot() else ["--training.mixed_precision_param=float32"]
-
-
 def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nnodes: int = 1,
              node_rank: int = 0, port: int = 0, timeout: int = 300, loss_log: str = "losses.jsonl",
              config: Path = CONFIG, env: dict | None = None,

@@ -12,8 +12,9 @@ import shutil
 
 import pytest
 
-from harness import ckpt_events, cpu_precision_args, events, losses, ok, output, torchrun
+from harness import ckpt_events, events, losses, ok, output, torchrun
 from titan_ckpt_plus import digest
+from titan_ckpt_plus.cpu_fallback import fp32_args
 
 pytestmark = pytest.mark.e2e
 STEPS = ("--training.steps", "8")
@@ -24,7 +25,7 @@ PP = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_p
       "--parallelism.pipeline_parallel_microbatch_size", "1")
 # Without bf16 dot products its bf16 experts ran 2.7x slower (64 s a run against 24): fp32
 # there (the state saved is fp32 either way); bf16 where the CPU has them.
-MOE = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *cpu_precision_args())
+MOE = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *fp32_args())
 # name: (ranks, overrides, whether losses are deterministic)
 VARIANTS = {
     "tp2": (2, ("--parallelism.data_parallel_shard_degree", "1",

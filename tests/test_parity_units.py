@@ -99,6 +99,32 @@ def test_bf16_on_a_cpu_without_bf16_dot_products_is_warned_with_the_fix(monkeypa
         assert "mixed_precision_param" in why and '"float32"' in why
 
 
+def test_the_adapter_warns_of_slow_bf16_from_torchtitans_own_job_and_dims(monkeypatch, caplog):
+    """The adapter reads torchtitan 0.2.2's own JobConfig and ParallelDims: its default
+    job (bf16) sharded over 2 ranks is warned on rank 0 only, the same job in fp32 or
+    unsharded is not."""
+    from types import SimpleNamespace
+
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+
+    from titan_ckpt_plus.adapters.torchtitan_v022 import TieredCheckpointManager
+
+    monkeypatch.setattr(cpu_fallback, "_ACTIVE", True)
+    monkeypatch.setattr(cpu_fallback, "cpu_has_bf16_dot", lambda: False)
+    job = JobConfig()
+
+    def warned(rank: int, shards: int = 2) -> bool:
+        dims = ParallelDims(dp_replicate=1, dp_shard=shards, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=shards)
+        caplog.clear()
+        TieredCheckpointManager._warn_slow_bf16(SimpleNamespace(job_config=job, parallel_dims=dims), rank)
+        return any(cpu_fallback.FP32_ARG in r.getMessage() for r in caplog.records)
+
+    assert warned(0) and not warned(1) and not warned(0, shards=1)
+    job.training.mixed_precision_param = "float32"
+    assert not warned(0)
+
+
 def test_digest_sees_every_byte_dtype_and_value():
     state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 3},
              "opt": {"state": {"w": {"exp_avg": torch.ones(3, dtype=torch.bfloat16)}}}}

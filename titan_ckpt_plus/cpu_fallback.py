@@ -44,13 +44,24 @@ def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
     /proc/cpuinfo flags; True where they cannot be read). Without, torch's bf16 GEMMs on
     the CPU fall back to a scalar loop: torchtitan's default bf16 mixed precision made a
     2-rank debugmodel step 3.6 s against 0.40 s in fp32 on an AVX2 host (2026-12-03).
-    The benchmarks train in fp32 there (tests/harness.cpu_precision_args)."""
+    The benchmarks, the demo and the MoE test train in fp32 there (fp32_args)."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), None)
     except OSError:
         return True
     return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+FP32_ARG = "--training.mixed_precision_param=float32"
+
+
+def fp32_args() -> list[str]:
+    """The torchtitan option that trains in fp32 mixed precision where this CPU has no
+    bf16 dot products, else none: the fix slow_bf16_warning names, and what the demo,
+    the benchmarks and the MoE test pass (bf16 would dilute what a save costs a step
+    about ninefold; the checkpointed state is fp32 either way)."""
+    return [] if cpu_has_bf16_dot() else [FP32_ARG]
 
 
 def slow_bf16_warning(param_dtype: str, sharded: bool) -> str | None:
@@ -61,8 +72,8 @@ def slow_bf16_warning(param_dtype: str, sharded: bool) -> str | None:
         return None
     return ("this CPU has no bf16 dot products (no avx512_bf16 or amx_bf16): [training] "
             'mixed_precision_param = "bfloat16" runs every matrix multiply in a scalar loop, '
-            'several times slower. Fix: mixed_precision_param = "float32" '
-            "(--training.mixed_precision_param=float32); the state saved is fp32 either way.")
+            f'several times slower. Fix: mixed_precision_param = "float32" ({FP32_ARG}); '
+            "the state saved is fp32 either way.")
 
 
 def is_active() -> bool:
