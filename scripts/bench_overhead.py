@@ -44,6 +44,7 @@ from harness import ckpt_events, events, torchrun  # noqa: E402
 
 from titan_ckpt_plus.adapters.torchtitan_v022 import SCHED_LOG_ENV  # noqa: E402
 from titan_ckpt_plus import staging  # noqa: E402
+from titan_ckpt_plus.cpu_fallback import fp32_args  # noqa: E402
 from titan_ckpt_plus.tiers import files  # noqa: E402
 
 MODELS = {
@@ -184,7 +185,7 @@ def job_args(flavor: str) -> list[str]:
     return [f"--model.flavor={model}", f"--training.seq_len={seq}", f"--training.local_batch_size={batch}",
             f"--training.steps={steps}", "--debug.no-deterministic", "--checkpoint.keep_latest_k=2",
             "--checkpoint.local_keep_latest_k=2", "--checkpoint.no-last-save-model-only",
-            *harness.cpu_precision_args()]
+            *fp32_args()]
 
 
 def run_job(work: Path, flavor: str, tiers: bool, bare_bytes: int = 0) -> tuple:
@@ -219,15 +220,16 @@ _PEAK_RSS = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:
              "sys.exit(rc)")
 
 
-def _bare_mover(rank: int, nbytes: int, work: str, ready, stop) -> None:
+def _bare_mover(rank: int, nbytes: int, work: str, folder: str, ready, stop) -> None:
     """BareMover's process: at each step the loss log shows a save after, the bytes a
     rank's save moves, by the syscalls the plugin's threads make and nothing else: a
     memcpy of `nbytes` into a page-aligned buffer and its CRC-32C in SCHED_IDLE (as
     the staging copy runs), then that buffer written durably, O_DIRECT, over a retired
-    file (as the local writer does, in the normal class); at a PFS step, once more into
-    a "PFS" file (as the drain does). No Python per tensor, no planning, no
-    collectives: what a save costs on this machine whatever code makes it. Rank 0's
-    mover logs its writes where step_classes looks for the plugin's."""
+    file in `folder` (as the local writer does, in the normal class); at a PFS step,
+    once more into a "PFS" file (as the drain does). No Python per tensor, no planning,
+    no collectives: what a save costs on this machine whatever code makes it. Rank 0's
+    mover logs each PFS write as the plugin's drain does (a pfs_commit line, which
+    step_classes reads; EventLog would also want the plugin's metrics fields)."""
     import json
 
     from titan_ckpt_plus import priority
@@ -236,36 +238,27 @@ def _bare_mover(rank: int, nbytes: int, work: str, ready, stop) -> None:
     buf = _page_aligned(nbytes)
     state = torch.empty(len(buf), dtype=torch.uint8).fill_(3)
     staged = torch.frombuffer(buf, dtype=torch.uint8)
-    root, tid = Path(work), threading.get_native_id()
-    out = root / "bare" / str(rank)
+    tid, out, losses = threading.get_native_id(), Path(folder), Path(work) / "losses.jsonl"
     out.mkdir(parents=True, exist_ok=True)
-    log = root / "dump" / "titan_ckpt_plus" / "events.jsonl"
+    log = Path(work) / "dump" / "titan_ckpt_plus" / "events.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
 
-    def record(event: str, **fields) -> None:  # the plugin's EventLog's lines, rank 0's
-        if rank == 0:
-            with open(log, "a") as f:
-                f.write(json.dumps(dict(event=event, time=time.time(), **fields)) + "\n")
-
-    def write(name: str) -> float:
-        t0 = time.time()
+    def write(name: str) -> None:
         with files.DurableBatch() as batch:
             batch.write(str(out / name), buf, known_crc=lambda: crc, reuse=str(out / f"{name}.spare"))
         files.retire(str(out / name), str(out / f"{name}.spare"))
-        return t0
 
     ready.set()
     done, size = 0, 0
-    while not stop.is_set():
-        time.sleep(0.005)  # a stat 200 times a second: about 0.2% of a core
-        path = root / "losses.jsonl"
-        if not path.exists() or path.stat().st_size == size:
+    while not stop.wait(0.005):  # a stat 200 times a second: about 0.2% of a core
+        now = losses.stat().st_size if losses.exists() else 0
+        if now == size:
             continue
-        size = path.stat().st_size
-        logged = [r["step"] for r in events(path, "loss")]
-        if not logged or max(logged) <= done:
+        size = now
+        step = max((r["step"] for r in events(losses, "loss")), default=0)
+        if step <= done:
             continue
-        done = max(logged)
+        done = step
         if done % LOCAL_EVERY:
             continue
         priority.set_class(tid, idle=True)
@@ -273,10 +266,30 @@ def _bare_mover(rank: int, nbytes: int, work: str, ready, stop) -> None:
         crc = files.checksum(buf)
         priority.set_class(tid, idle=False)
         write("local")
-        record("local_commit", step=done, bytes=nbytes)
         if done % PFS_EVERY == 0:
-            t0 = write("pfs")
-            record("pfs_commit", step=done, bytes=nbytes, background_write_s=time.time() - t0)
+            t0 = time.time()
+            write("pfs")
+            if rank == 0:
+                end = time.time()
+                with open(log, "a") as f:
+                    f.write(json.dumps({"event": "pfs_commit", "time": end, "step": done, "bytes": nbytes,
+                                        "background_write_s": end - t0}) + "\n")
+
+
+def _start_ready(target, *args, what: str):
+    """A spawned process running target(*args, ready, stop), returned once it set
+    `ready` (its start-up and buffers off the clock), with its `stop` event; an error
+    naming `what` if it dies first (else a loop would time an idle core as busy)."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    proc = spawn.Process(target=target, args=(*args, ready, stop))
+    proc.start()
+    while not ready.wait(0.5):
+        if not proc.is_alive():
+            raise RuntimeError(f"{what} died, exit code {proc.exitcode}")
+    return proc, stop
 
 
 class BareMover:
@@ -286,20 +299,14 @@ class BareMover:
     the plugin's own."""
 
     def __init__(self, rank: int, nbytes: int, work: Path) -> None:
-        import multiprocessing
-
-        spawn = multiprocessing.get_context("spawn")
-        self.ready, self._stop, self.work = spawn.Event(), spawn.Event(), work
-        self.proc = spawn.Process(target=_bare_mover, args=(rank, nbytes, str(work), self.ready, self._stop))
-        self.proc.start()
-        while not self.ready.wait(0.5):  # its buffers allocated before the job starts
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the bare mover of rank {rank} died, exit code {self.proc.exitcode}")
+        self.folder = work / "bare" / str(rank)
+        self.proc, self._stop = _start_ready(_bare_mover, rank, nbytes, str(work), str(self.folder),
+                                             what=f"the bare mover of rank {rank}")
 
     def stop(self) -> None:
         self._stop.set()
         self.proc.join()
-        shutil.rmtree(self.work / "bare", ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def step_classes(work: Path, steps: int) -> dict[int, str]:
@@ -690,11 +697,8 @@ def neighbour_cost(nbytes: int, folder: Path, rounds: int = 4) -> dict:
     while CPU 1 copies, checksums or O_DIRECT-writes `nbytes` over and over, against
     CPU 1 idle: what moving the rank's bytes costs a training core that it never runs
     on (shared caches, memory bandwidth, the host's I/O work). Rounds interleaved."""
-    import multiprocessing as mp
-
     if len(os.sched_getaffinity(0)) < 2:
         return {}
-    spawn = mp.get_context("spawn")
     folder.mkdir(parents=True, exist_ok=True)
     was = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {0})
@@ -713,12 +717,8 @@ def neighbour_cost(nbytes: int, folder: Path, rounds: int = 4) -> dict:
     try:
         for _ in range(rounds):
             for kind in kinds:
-                ready, stop = spawn.Event(), spawn.Event()
-                p = spawn.Process(target=_neighbour, args=(kind, nbytes, str(folder / "n.bin"), ready, stop))
-                p.start()
-                while not ready.wait(0.5):  # the child's start-up (imports, buffers) off the clock
-                    if not p.is_alive():  # else the loop would time an idle core as busy
-                        raise RuntimeError(f"the neighbour process ({kind}) died, exit code {p.exitcode}")
+                p, stop = _start_ready(_neighbour, kind, nbytes, str(folder / "n.bin"),
+                                       what=f"the neighbour process ({kind})")
                 time.sleep(0.2)
                 times[kind] += [loop() for _ in range(8)]
                 stop.set()
@@ -1016,10 +1016,10 @@ def main() -> None:
             ons.append(base / f"{flavor}-tiers{i}")
             whole.append((off, run_job(ons[-1], flavor, tiers=True)[1]))
             drop_checkpoints(ons[-1])
-            if args.bare and flavor in BARE:  # the rank's bytes as the tiers' first job saved them
+            if args.bare and flavor in BARE:
+                part = statistics.median(e["bytes"] for e in ckpt_events(ons[0], "local_commit"))  # a rank's
                 bares.append(base / f"{flavor}-bare{i}")
-                run_job(bares[-1], flavor, tiers=False,
-                        bare_bytes=int(statistics.median(e["bytes"] for e in ckpt_events(ons[0], "local_commit"))))
+                run_job(bares[-1], flavor, tiers=False, bare_bytes=int(part))
             pair = (ons[-1], base / f"{flavor}-off{i}", MODELS[flavor][3], MODELS[flavor][4])
             busy.append(peak_during(*pair))
             typical.append(peak_during(*pair, how=statistics.median))
