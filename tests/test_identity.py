@@ -217,3 +217,32 @@ def test_pfs_retention_keeps_another_jobs_steps(tmp_path):
     assert tier.owners() == {2: "mine", 4: "theirs", 6: "mine", 8: None, 10: "theirs", 12: "mine"}
     assert tier.purge() == [2, 6]  # own steps 2, 6, 8 (stock), 12: the newest two are kept
     assert tier.steps() == [4, 8, 10, 12]
+
+
+def test_pfs_retention_reads_each_manifest_once_and_unmakes_a_step_first(tmp_path, monkeypatch):
+    """After every drain, retention lists the steps and their owners: one read of each
+    manifest (the drain takes the GIL back from training after every system call). A
+    purge cut short leaves no complete step it meant to delete: its .metadata goes first."""
+    from titan_ckpt_plus.tiers import files
+    from titan_ckpt_plus.tiers.pfs import MANIFEST, PfsTier
+
+    for step in (2, 4, 6):
+        d = tmp_path / f"step-{step}"
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"m")
+        (d / "__0_0.distcp").write_bytes(b"d")
+        (d / MANIFEST).write_text(json.dumps({"step": step, "job_id": "mine", "files": {}}))
+    tier = PfsTier(str(tmp_path), rank=0, world_size=1, keep_latest_k=1, job_id="mine")
+    reads, read_json = [], files.read_json
+    monkeypatch.setattr(files, "read_json", lambda p: reads.append(p) or read_json(p))
+
+    def killed(path):
+        raise RuntimeError("killed while retiring the parts")
+    monkeypatch.setattr(tier, "_retire_parts", killed)
+    with pytest.raises(RuntimeError, match="killed"):
+        tier.purge()
+    assert sorted(reads) == [str(tmp_path / f"step-{s}" / MANIFEST) for s in (2, 4, 6)]
+    assert tier.steps() == [4, 6]  # step 2 is no longer a candidate ...
+    assert (tmp_path / "step-2" / MANIFEST).exists() and (tmp_path / "step-2" / "__0_0.distcp").exists()
+    monkeypatch.undo()
+    assert tier.purge() == [4] and sorted(os.listdir(tmp_path)) == [".spare", "step-2", "step-6"]

@@ -282,12 +282,14 @@ def test_a_corrupt_local_part_never_becomes_a_pfs_step(pg, tmp_path):
 
 
 def test_a_later_step_keeps_the_plan_and_writes_its_own_small_items(pg, tmp_path, monkeypatch):
-    """A later step of the layout is not planned again, and its small items may differ
-    in value and in size (a longer dataloader state here): the .metadata records where
-    this step's landed, and each value is serialized once however many items hold it."""
-    planned, calls = [], []
-    real_dcp_save, real_save = dcp.save, torch.save
+    """A later step of the layout is not planned again, nor are its items placed in the
+    file again, and its small items may differ in value and in size (a longer
+    dataloader state here): the .metadata records where this step's landed, and each
+    value is serialized once however many items hold it."""
+    planned, placed, calls = [], [], []
+    real_dcp_save, real_save, real_place = dcp.save, torch.save, pfs_mod.PartCopyWriter._place
     monkeypatch.setattr(dcp, "save", lambda *a, **k: (planned.append(1), real_dcp_save(*a, **k))[1])
+    monkeypatch.setattr(pfs_mod.PartCopyWriter, "_place", lambda *a: (placed.append(1), real_place(*a))[1])
     local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
     pfs = PfsTier(str(tmp_path / "pfs"), 0, 1, 2, job_id="J")
     layout, specs, _ = _stage_and_write(local, 4, _state(4))
@@ -299,7 +301,7 @@ def test_a_later_step_keeps_the_plan_and_writes_its_own_small_items(pg, tmp_path
                                                                  real_save(obj, f, *a, **k))[1])
     _drain(pfs, local, 5, layout5, specs5, pg)
     monkeypatch.setattr(torch, "save", real_save)
-    assert len(planned) == 1
+    assert len(planned) == 1 and len(placed) == 1
     # lr, the dataloader's bytes and train_state's two are new; world_size and params are not
     assert sorted(calls) == ["bytes", "float", "int", "int"]
     assert pfs.verify(5, pg) == (True, "")

@@ -324,6 +324,20 @@ def test_durable_write_of_a_page_aligned_buffer_with_a_ragged_tail(tmp_path):
         assert (tmp_path / "again.data").read_bytes() == bytes(data) and not (tmp_path / "spare").exists()
 
 
+def test_a_small_file_is_written_in_one_call(tmp_path, monkeypatch):
+    """A manifest, a layout, a .metadata: one write each. Pieces matter only to O_DIRECT
+    and to a write that follows the staging copy; a background thread takes the GIL
+    back from training after every system call."""
+    from titan_ckpt_plus.tiers import files
+
+    writes, write = [], os.write
+    monkeypatch.setattr(os, "write", lambda fd, b: writes.append(len(b)) or write(fd, b))
+    data = os.urandom(300_000)  # under O_DIRECT's 1 MiB
+    entry = files.write_durable(str(tmp_path / "small"), data)
+    assert writes == [300_000]
+    assert (tmp_path / "small").read_bytes() == data and entry == files.entry(data)
+
+
 def _thp_mode() -> str:
     try:
         text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()

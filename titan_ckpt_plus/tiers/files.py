@@ -39,7 +39,9 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
 
 
 def json_bytes(obj) -> bytes:
-    return json.dumps(obj, indent=1, sort_keys=True).encode()
+    """One line: json's C encoder (an indent makes it use the Python one, whose time
+    a background thread holds the GIL for)."""
+    return json.dumps(obj, sort_keys=True).encode()
 
 
 def atomic_write_json(path: str, obj) -> None:
@@ -47,8 +49,37 @@ def atomic_write_json(path: str, obj) -> None:
 
 
 def read_json(path: str):
-    with open(path, "rb") as f:
-        return json.loads(f.read())
+    return json.loads(read_bytes(path))
+
+
+def read_bytes(path: str) -> bytes:
+    """A small file's bytes by plain os calls (open, read to the end, close): a Python
+    file object adds two stats, a tty check and two seeks, and a background thread
+    takes the GIL back from training after every call (issue 15)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts = []
+        while chunk := os.read(fd, 1 << 20):
+            parts.append(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+_pid = os.getpid()  # os.getpid() is a system call on this glibc; temporary names need it
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def temporary(path: str) -> str:
+    """The name a file is written under before it is renamed into place."""
+    return f"{path}.tmp{_pid}"
 
 
 SUM = "crc32c"  # the manifest key of a file's checksum
@@ -162,17 +193,21 @@ def retire(path: str, spare: str) -> None:
     next save instead of deleted and made anew: its blocks stay allocated, so that
     write neither allocates nor converts extents, and no delete (with the file
     system's discard, a TRIM of every freed block) loads the disk (BENCHMARKS.md,
-    save and overhead). One spare per writer: deleted when one waits already."""
+    save and overhead). One spare per writer: deleted when one waits already.
+    Raises FileNotFoundError if `path` is not there."""
     if os.path.exists(spare):
         os.remove(path)
         return
-    os.makedirs(os.path.dirname(spare), exist_ok=True)
-    os.rename(path, spare)
+    try:
+        os.rename(path, spare)
+    except FileNotFoundError:  # the first retired file: no spare folder yet
+        os.makedirs(os.path.dirname(spare), exist_ok=True)
+        os.rename(path, spare)
 
 
 def _write_flags(path: str, reuse: str | None) -> int:
     """Open flags for a new file at `path`, or for `reuse` (a spare: retire())
-    moved there and written over, if it is there."""
+    moved there and written over, if it is there (then without O_TRUNC: _cut_to)."""
     if reuse is not None:
         try:
             os.rename(reuse, path)
@@ -182,14 +217,15 @@ def _write_flags(path: str, reuse: str | None) -> int:
     return os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
-def _cut_to(fd: int, size: int) -> None:
-    """A written-over spare that was longer ends where the new bytes do."""
-    if os.fstat(fd).st_size > size:
+def _cut_to(fd: int, size: int, flags: int) -> None:
+    """A written-over spare that was longer ends where the new bytes do (a file
+    opened with O_TRUNC holds only what was written: no stat needed)."""
+    if not flags & os.O_TRUNC and os.fstat(fd).st_size > size:
         os.ftruncate(fd, size)
 
 
-def _open_for_write(path: str, view: memoryview, reuse: str | None = None) -> tuple[int, bool]:
-    """(fd, direct): O_DIRECT when the buffer is page-aligned and the file system
+def _open_for_write(path: str, view: memoryview, reuse: str | None = None) -> tuple[int, bool, int]:
+    """(fd, direct, flags): O_DIRECT when the buffer is page-aligned and the file system
     takes it (tmpfs does not). Direct writes skip the page-cache copy, so a save
     costs the training ranks' cores almost nothing; the bytes go from the staging
     buffer to the disk. `reuse`: a spare to write over (_write_flags)."""
@@ -197,10 +233,10 @@ def _open_for_write(path: str, view: memoryview, reuse: str | None = None) -> tu
     addr = address(view) if len(view) >= 1 << 20 else None
     if addr is not None and addr % PAGE == 0 and hasattr(os, "O_DIRECT"):
         try:
-            return os.open(path, flags | os.O_DIRECT, 0o644), True
+            return os.open(path, flags | os.O_DIRECT, 0o644), True, flags
         except OSError:
             pass
-    return os.open(path, flags, 0o644), False
+    return os.open(path, flags, 0o644), False, flags
 
 
 def _buffered(fd: int) -> bool:
@@ -254,7 +290,7 @@ class DurableBatch:
     def stream(self, path: str, reuse: str | None = None) -> "Appender":
         """An Appender for `path` under a temporary name, made durable and named with
         the batch's other files (a replica written as it arrives); not closed by itself."""
-        tmp = f"{path}.tmp{os.getpid()}"
+        tmp = temporary(path)
         out = Appender(tmp, reuse)
         self._open.append((out.fd, tmp, path))
         self._streams.append(out)
@@ -270,10 +306,13 @@ class DurableBatch:
         write over (_open_for_write)."""
         view = memoryview(data).cast("B")
         crc = 0
-        tmp = f"{path}.tmp{os.getpid()}"
-        fd, direct = _open_for_write(tmp, view, reuse)
+        tmp = temporary(path)
+        fd, direct, flags = _open_for_write(tmp, view, reuse)
         self._open.append((fd, tmp, path))
-        for start, end in _chunks(len(view)):
+        # a small file in one write: pieces matter only to O_DIRECT and to a write
+        # that follows the staging copy
+        pieces = _chunks(len(view)) if direct or before_chunk or on_chunk else [(0, len(view))]
+        for start, end in pieces:
             chunk = view[start:end]
             if before_chunk:
                 before_chunk(end)
@@ -284,14 +323,14 @@ class DurableBatch:
             write_all(fd, chunk)
             if on_chunk:
                 on_chunk(end)
-        _cut_to(fd, len(view))
+        _cut_to(fd, len(view), flags)
         return {"size": len(view), SUM: crc if known_crc is None else known_crc()}
 
     def __exit__(self, exc_type, *_) -> None:
         try:
             if exc_type is None:
                 for out in self._streams:
-                    _cut_to(out.fd, out.size)
+                    _cut_to(out.fd, out.size, out.flags)
                 for fd, _, _ in self._open:
                     os.fsync(fd)
         finally:
@@ -314,7 +353,7 @@ class Appender:
     block. `reuse`: a spare to write over (_write_flags)."""
 
     def __init__(self, path: str, reuse: str | None = None) -> None:
-        flags = _write_flags(path, reuse)
+        self.flags = flags = _write_flags(path, reuse)
         self.direct = hasattr(os, "O_DIRECT")
         try:
             self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
@@ -337,7 +376,7 @@ class Appender:
     def __exit__(self, exc_type, *_) -> None:
         try:
             if exc_type is None:
-                _cut_to(self.fd, self.size)
+                _cut_to(self.fd, self.size, self.flags)
                 os.fsync(self.fd)
                 if hasattr(os, "posix_fadvise"):  # written and durable: no need to cache it
                     os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -411,8 +411,9 @@ class LocalTier:
     def steps(self) -> list[int]:
         return steps_in(self.root)
 
-    def committed_steps(self) -> list[int]:
-        return [s for s in self.steps()
+    def committed_steps(self, steps: list[int] | None = None) -> list[int]:
+        """Of `steps` (all of them if None), those with a commit marker."""
+        return [s for s in (self.steps() if steps is None else steps)
                 if os.path.isfile(os.path.join(self.step_dir(s), COMMIT))]
 
     def manifest(self, step: int, rank: int | None = None) -> dict | None:
@@ -501,16 +502,16 @@ class LocalTier:
 
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)
-        if self.first_on_node and os.path.exists(os.path.join(d, COMMIT)):
-            os.remove(os.path.join(d, COMMIT))
+        gone = contextlib.suppress(FileNotFoundError)  # a file another rank or a torn write left out
+        if self.first_on_node:
+            with gone:
+                os.remove(os.path.join(d, COMMIT))
         for r in [self.rank, *held]:
-            for suffix in ("json", "layout", "data"):
-                p = self._part(s, suffix, r)
-                if os.path.exists(p):
-                    if suffix == "data":
-                        files.retire(p, self._spare(r))
-                    else:
-                        os.remove(p)
+            for suffix in ("json", "layout"):
+                with gone:
+                    os.remove(self._part(s, suffix, r))
+            with gone:
+                files.retire(self._part(s, "data", r), self._spare(r))
         try:
             os.rmdir(d)
         except OSError:
@@ -534,13 +535,14 @@ class LocalTier:
         from `held` ranks) of every other step. Returns the steps touched.
         `committed_now`: the step all ranks just voted committed, which counts even
         before this node's first rank has written its COMMIT.json."""
-        committed = sorted(set(self.committed_steps()) | ({committed_now} - {None}))
+        steps = self.steps()
+        committed = sorted(set(self.committed_steps(steps)) | ({committed_now} - {None}))
         if not committed:
             return []
         keep = set(committed[-self.keep_latest_k:]) | protected
         newest = committed[-1]
         gone = []
-        for s in self.steps():
+        for s in steps:
             if s in keep or s > newest:
                 continue
             try:

@@ -132,55 +132,64 @@ class PartCopyWriter(FileSystemWriter):
         self.small = small or SmallItems()
         self.written: dict[str, dict] = {}
         self.small_lengths: list[int] = []
-        self.plan = self.metadata = None  # what DCP planned, kept for the next drains
+        self.plan = self.metadata = self.items = None  # what DCP planned, kept for the next drains
         self.mappings: dict = {}
 
     def write_data(self, plan, planner):
-        """`planner`: DCP's, or anything with its `mappings` (item name -> object path)."""
+        """`planner`: DCP's, or a KeptPlan (a later step of a planned layout: where each
+        tensor item goes is the same as for the first, only the small items' values are
+        new)."""
         self.plan = plan
-        self.mappings = {item.index.fqn: planner.mappings[item.index.fqn] for item in plan.items}
+        placed = planner.items if isinstance(planner, KeptPlan) else None
+        self.mappings = (planner.mappings if placed
+                         else {item.index.fqn: planner.mappings[item.index.fqn] for item in plan.items})
         if self.before_write:
             self.before_write()
+        self.items = placed = placed or self._place(plan, self.mappings)
+        blobs = [(item, self.small.serialize(staging.value_at(self.layout.skeleton, path)))
+                 for item, path in placed.small]
+        self.clock.mark("items")
+        with files.Appender(os.path.join(self.path, placed.name), self.reuse) as out:
+            verbatim = self.source.verbatim(placed.spans)
+            with contextlib.closing(self.source.pieces(placed.spans)) as pieces:
+                for _, piece in pieces:
+                    out.write(piece, crc=not verbatim)
+            if out.size != sum(b - a for a, b in placed.spans):
+                raise files.CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
+            if verbatim:
+                out.crc = self.source.crc
+            self.clock.mark("copy")
+            results, at = list(placed.results), out.size
+            for item, data in blobs:  # train_state, the dataloader's, lr ...: as DCP serializes them
+                results.append(WriteResult(item.index, len(data), _StorageInfo(placed.name, at, len(data))))
+                at += len(data)
+            if blobs:
+                out.write(b"".join(data for _, data in blobs))
+        self.small_lengths = [len(data) for _, data in blobs]
+        self.written[placed.name] = {"size": out.size, files.SUM: out.crc}
+        self.clock.mark("small_items")  # and the file's fsync (Appender's close)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def _place(self, plan, mappings: dict) -> "PlacedItems":
+        """Where the plan's items are in the part and go in the file."""
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
         frames = {e.path: e for e in self.layout.entries}
-        tensors, blobs = [], []
+        tensors, small = [], []
         for item in plan.items:
-            path = planner.mappings[item.index.fqn]
+            path = mappings[item.index.fqn]
             if item.type == WriteItemType.BYTE_IO:
-                blobs.append((item, self.small.serialize(staging.value_at(self.layout.skeleton, path))))
+                small.append((item, path))
                 continue
             e = frames.get("/" + "/".join(map(str, path)))
             if e is None or not e.pre:
                 raise files.CorruptCheckpoint(f"{item.index.fqn}: not in the part's layout, or not framed")
             tensors.append((e.frame, item))
         spans = spans_of([f for f, _ in tensors], self.layout.total_bytes, SPAN_GAP)
-        results = []
-        self.clock.mark("items")
-        with files.Appender(os.path.join(self.path, name), self.reuse) as out:
-            verbatim = self.source.verbatim(spans)
-            with contextlib.closing(self.source.pieces(spans)) as pieces:
-                for _, piece in pieces:
-                    out.write(piece, crc=not verbatim)
-            if out.size != sum(b - a for a, b in spans):
-                raise files.CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
-            if verbatim:
-                out.crc = self.source.crc
-            self.clock.mark("copy")
-            for (start, end), item in tensors:
-                results.append(WriteResult(item.index, end - start,
-                                           _StorageInfo(name, _moved(start, spans), end - start)))
-            at = out.size
-            for item, data in blobs:  # train_state, the dataloader's, lr ...: as DCP serializes them
-                results.append(WriteResult(item.index, len(data), _StorageInfo(name, at, len(data))))
-                at += len(data)
-            if blobs:
-                out.write(b"".join(data for _, data in blobs))
-        self.small_lengths = [len(data) for _, data in blobs]
-        self.written[name] = {"size": out.size, files.SUM: out.crc}
-        self.clock.mark("small_items")  # and the file's fsync (Appender's close)
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        results = [WriteResult(item.index, end - start, _StorageInfo(name, _moved(start, spans), end - start))
+                   for (start, end), item in tensors]
+        return PlacedItems(name, spans, results, small)
 
     def finish(self, metadata, results) -> None:
         """FileSystemWriter.finish without the write (see the class)."""
@@ -188,6 +197,17 @@ class PartCopyWriter(FileSystemWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
         metadata.storage_meta = self.storage_meta()
         self.metadata = metadata
+
+
+@dataclass
+class PlacedItems:
+    """A plan's items placed (PartCopyWriter._place): the same for every step of a
+    layout, so a KeptPlan keeps them (a drain's Python holds the GIL training wants)."""
+
+    name: str  # the rank's data file
+    spans: list  # the part's spans that hold the tensor items, in order
+    results: list  # the tensor items' WriteResults
+    small: list  # (item, object path) of each small item, in plan order
 
 
 @dataclass
@@ -202,6 +222,7 @@ class KeptPlan:
     mappings: dict  # item name -> object path in the state
     small: SmallItems
     metadata: Any = None  # rank 0
+    items: PlacedItems | None = None
     small_items: dict = field(init=False)  # rank 0: file -> (start, [index], [length])
     pickler: MetadataPickle = field(init=False, default_factory=MetadataPickle)  # rank 0
 
@@ -307,8 +328,7 @@ class PfsTier:
 
     def steps(self) -> list[int]:
         """Complete resumable steps (with .metadata, not an export), oldest first."""
-        main = {s for s in _complete(self.folder) if not self.is_export(s)}
-        return sorted(main | set(_complete(os.path.join(self.folder, FULL_STATE))))
+        return sorted(self.owners())
 
     def exports(self) -> list[int]:
         """Steps whose step-N holds a last-step export (DCP or HF), oldest first."""
@@ -317,16 +337,15 @@ class PfsTier:
         return sorted(s for n in os.listdir(self.folder)
                       if (s := files.step_of(n)) is not None and self.is_export(s))
 
-    def is_export(self, step: int) -> bool:
+    def is_export(self, step: int, manifest: dict | str | None = "") -> bool:
         """Whether step-N is a model-only export: our manifest says so; without one (stock
-        torchtitan wrote it), an HF export, or a DCP step that has no train_state."""
+        torchtitan wrote it), an HF export, or a DCP step that has no train_state.
+        `manifest`: step-N's as _read_manifest gave it, if read already."""
         path = self._dir(step)
-        try:
-            return files.read_json(os.path.join(path, MANIFEST)).get("kind") == "export"
-        except FileNotFoundError:
-            pass
-        except (OSError, ValueError, AttributeError):
-            return False  # unreadable: verify() rejects it
+        if manifest == "":
+            manifest = _read_manifest(path)
+        if manifest is not None:
+            return isinstance(manifest, dict) and manifest.get("kind") == "export"  # "?": verify() rejects it
         if os.path.isfile(os.path.join(path, HF_INDEX)):
             return True
         try:
@@ -369,7 +388,7 @@ class PfsTier:
                      planner=DefaultSavePlanner(), process_group=pg)
             gathered = [None] * self.world_size
             dist.all_gather_object(gathered, writer.written, group=pg)
-            self._kept = KeptPlan(key, writer.plan, writer.mappings, small, writer.metadata)
+            self._kept = KeptPlan(key, writer.plan, writer.mappings, small, writer.metadata, writer.items)
             if self.rank == 0:
                 self._seal(step, path, {k: v for part in gathered for k, v in part.items()},
                            pickle.dumps(writer.metadata))
@@ -464,21 +483,22 @@ class PfsTier:
         return not reason, reason
 
     def owners(self) -> dict[int, str | None]:
-        """Complete step -> the job id its manifest records (see _owner)."""
-        return {s: self._owner(s) for s in self.steps()}
+        """Complete resumable step -> the job id its manifest records (see _owner_in),
+        each manifest read once (retention lists them after every drain)."""
+        out = {}
+        for s in _complete(self.folder):
+            manifest = _read_manifest(self._dir(s))
+            if not self.is_export(s, manifest):
+                out[s] = _owner_in(manifest)
+        full = os.path.join(self.folder, FULL_STATE)
+        out.update({s: _read_owner(os.path.join(full, f"step-{s}")) for s in _complete(full)})
+        return out
 
     def other_jobs_steps(self) -> dict[int, str]:
         """Complete steps and exports whose manifest names another job. An unreadable
         one ("?") is not counted: recovery's checks skip it, and retention keeps it."""
         owners = self.owners() | {s: _read_owner(self._dir(s)) for s in self.exports()}
         return {s: o for s, o in owners.items() if o not in (None, "?", self.job_id)}
-
-    def _owner(self, step: int) -> str | None:
-        return _read_owner(self.step_dir(step))
-
-    def _foreign(self, step: int) -> bool:
-        """Another job's step, or one that cannot be told: never overwritten or purged."""
-        return self._owner(step) not in (None, self.job_id)
 
     def load(self, step: int, state: dict) -> int:
         """dcp.load into `state` in place (resharding as needed); returns bytes read."""
@@ -491,14 +511,28 @@ class PfsTier:
         all); another job's steps are never deleted."""
         if self.rank != 0 or self.keep_latest_k <= 0:
             return []
-        mine = [s for s in self.steps() if not self._foreign(s)]
+        # another job's step, or one whose owner cannot be told: never purged
+        mine = sorted(s for s, owner in self.owners().items() if owner in (None, self.job_id))
         old = mine[: -self.keep_latest_k]
         for s in old:
-            path = self.step_dir(s)
-            if self.reuse_files:
-                self._retire_parts(path)
-            shutil.rmtree(path, ignore_errors=True)
+            self._remove(self.step_dir(s))
         return old
+
+    def _remove(self, path: str) -> None:
+        """A purged step: its .metadata first (the step is no longer complete, so never
+        a candidate, whatever goes wrong next), then its parts (retired as spares), the
+        manifest and the folder, by name: a tree walk costs a dozen more system calls,
+        after each of which the drain takes the GIL back from training."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, ".metadata"))
+        if self.reuse_files:
+            self._retire_parts(path)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, MANIFEST))
+        try:
+            os.rmdir(path)
+        except OSError:  # files of another writer (stock torchtitan's extra files)
+            shutil.rmtree(path, ignore_errors=True)
 
     def _retire_parts(self, path: str) -> None:
         """Each rank's data file of a purged step becomes that rank's spare."""
@@ -544,13 +578,25 @@ def _complete(folder: str) -> list[int]:
             if (s := files.step_of(n)) is not None and os.path.isfile(os.path.join(folder, n, ".metadata"))]
 
 
-def _read_owner(path: str) -> str | None:
-    """The job id a step folder's manifest records; None: none (stock torchtitan's step,
-    one written before job identities, or one whose manifest is not written yet);
-    "?": an unreadable manifest, which verify() rejects."""
+def _read_manifest(path: str) -> dict | str | None:
+    """A step folder's manifest; None if it has none, "?" if it is unreadable or not
+    a JSON object."""
     try:
-        return files.read_json(os.path.join(path, MANIFEST)).get("job_id")
+        manifest = files.read_json(os.path.join(path, MANIFEST))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
         return "?"
+    return manifest if isinstance(manifest, dict) else "?"
+
+
+def _owner_in(manifest: dict | str | None) -> str | None:
+    """The job id a manifest records; None: none (stock torchtitan's step, one written
+    before job identities, or one whose manifest is not written yet); "?": an
+    unreadable manifest, which verify() rejects."""
+    return manifest.get("job_id") if isinstance(manifest, dict) else manifest
+
+
+def _read_owner(path: str) -> str | None:
+    """The job id of a step folder's manifest (_owner_in)."""
+    return _owner_in(_read_manifest(path))
