@@ -59,6 +59,7 @@ from titan_ckpt_plus.tiers.metadata_pickle import MetadataPickle
 MANIFEST = "titan_ckpt_plus.json"
 FULL_STATE = "full_state"
 HF_INDEX = "model.safetensors.index.json"
+_UNREAD = object()  # PfsTier.is_export: the manifest is not read yet
 
 
 class CountingReader(FileSystemReader):
@@ -337,12 +338,12 @@ class PfsTier:
         return sorted(s for n in os.listdir(self.folder)
                       if (s := files.step_of(n)) is not None and self.is_export(s))
 
-    def is_export(self, step: int, manifest: dict | str | None = "") -> bool:
+    def is_export(self, step: int, manifest: Any = _UNREAD) -> bool:
         """Whether step-N is a model-only export: our manifest says so; without one (stock
         torchtitan wrote it), an HF export, or a DCP step that has no train_state.
         `manifest`: step-N's as _read_manifest gave it, if read already."""
         path = self._dir(step)
-        if manifest == "":
+        if manifest is _UNREAD:
             manifest = _read_manifest(path)
         if manifest is not None:
             return isinstance(manifest, dict) and manifest.get("kind") == "export"  # "?": verify() rejects it
