@@ -816,6 +816,24 @@ def write_paths(nbytes: int, folder: Path, reps: int = 7) -> dict:
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def flavor_state(model_flavor: str, shard, rank: int, world: int) -> dict:
+    """A rank's state of a llama3 flavor as torchtitan's state_dict() gives it: the
+    model and AdamW moments, each made by `shard(full shape)`, and the small items."""
+    from titan_ckpt_plus import flavors
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    flavors.register()
+    with torch.device("meta"):
+        shapes = {k: p.shape for k, p in Transformer(llama3_args[model_flavor]).named_parameters()}
+    return {"model": {k: shard(v) for k, v in shapes.items()},
+            "optimizer": {"state": {k: {"exp_avg": shard(v), "exp_avg_sq": shard(v), "step": torch.tensor(1.0)}
+                                    for k, v in shapes.items()},
+                          "param_groups": [{"lr": 8e-4, "betas": (0.9, 0.95), "params": list(shapes)}]},
+            "lr_scheduler": {"last_epoch": 1, "_step_count": 2},
+            "dataloader": {f"dp_rank_{rank}": os.urandom(512), "world_size": world},
+            "train_state": {"step": 1, "ntokens_seen": 0}}
+
+
 def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
     """One rank of plugin_memory (under torchrun): the flavor's state, sharded as FSDP
     shards it over 2 ranks (model, AdamW moments, small items), no training. Its RSS
@@ -829,18 +847,13 @@ def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from titan_ckpt_plus import flavors
     from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
     from titan_ckpt_plus.priority import can_leave_idle
     from titan_ckpt_plus.telemetry import EventLog, peak_rss_since_last
-    from torchtitan.models.llama3 import Transformer, llama3_args
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    flavors.register()
-    with torch.device("meta"):
-        shapes = {k: p.shape for k, p in Transformer(llama3_args[MODELS[flavor][0]]).named_parameters()}
 
     def shard(shape) -> DTensor:
         rows = -(-shape[0] // world)
@@ -848,14 +861,8 @@ def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
                                   stride=torch.empty(shape, device="meta").stride())
 
-    model = {k: shard(v) for k, v in shapes.items()}
-    state = {"model": model,
-             "optimizer": {"state": {k: {"exp_avg": shard(v), "exp_avg_sq": shard(v), "step": torch.tensor(1.0)}
-                                     for k, v in shapes.items()},
-                           "param_groups": [{"lr": 8e-4, "betas": (0.9, 0.95), "params": list(shapes)}]},
-             "lr_scheduler": {"last_epoch": 1, "_step_count": 2},
-             "dataloader": {f"dp_rank_{rank}": os.urandom(512), "world_size": world},
-             "train_state": {"step": 1, "ntokens_seen": 0}}
+    state = flavor_state(MODELS[flavor][0], shard, rank, world)
+    model = state["model"]
     nbytes = sum(t.to_local().nbytes for t in model.values()) * 3
     root = out.parent / "memory-run"
     s = TierSettings(local_root=str(root / "local" / "job"), pfs_folder=str(root / "pfs"),

@@ -27,29 +27,17 @@ THREADS = {"ckpt-local-writ": "local writer (a save)", "ckpt-pfs-draine": "PFS d
 
 
 def worker(flavor: str, saves: int, folder: Path) -> None:
-    sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts"), str(ROOT)]
     import torch
     import torch.distributed as dist
 
+    from bench_overhead import flavor_state
     from harness import free_port
-    from titan_ckpt_plus import flavors
     from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
     from titan_ckpt_plus.telemetry import EventLog
-    from torchtitan.models.llama3 import Transformer, llama3_args
 
     torch.set_num_threads(1)
-    flavors.register()
-    with torch.device("meta"):
-        shapes = {k: p.shape for k, p in Transformer(llama3_args[flavor]).named_parameters()}
-
-    def half(shape):
-        return torch.randn(-(-shape[0] // 2), *shape[1:])
-    state = {"model": {k: half(v) for k, v in shapes.items()},
-             "optimizer": {"state": {k: {"exp_avg": half(v), "exp_avg_sq": half(v), "step": torch.tensor(1.0)}
-                                     for k, v in shapes.items()},
-                           "param_groups": [{"lr": 8e-4, "betas": (0.9, 0.95), "params": list(shapes)}]},
-             "lr_scheduler": {"last_epoch": 1, "_step_count": 2},
-             "train_state": {"step": 1, "ntokens_seen": 0}}
+    state = flavor_state(flavor, lambda shape: torch.randn(-(-shape[0] // 2), *shape[1:]), 0, 2)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 2, 2, 2, 0, 1, True, job_id="bench")
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
