@@ -1,10 +1,12 @@
-"""A/B of two revisions on the overhead jobs (issue 15): the same jobs as
-bench_overhead.py's (tiers on, local every 3 steps, PFS every 6), run from a git
-worktree of `--other` and from this work tree in turn, interleaved (the machine's speed
-drifts over minutes), pooled per side and printed side by side: step inflation by kind
-of step, where the steps' time goes, and the background threads' CPU by phase.
+"""A/B on the overhead jobs (issue 15): the same jobs as bench_overhead.py's (tiers on,
+local every 3 steps, PFS every 6), run from a git worktree of `--other` and from this
+work tree in turn, or from this work tree as `--model` and as `--variant` (a row of
+bench_overhead.MODELS: the same job with other plugin keys), interleaved (the machine's
+speed drifts over minutes), pooled per side and printed side by side: step inflation by
+kind of step, where the steps' time goes, and the background threads' CPU by phase.
 
     .venv/bin/python scripts/bench_ab.py --other HEAD~1 [--runs 4] [--model debugmodel]
+    .venv/bin/python scripts/bench_ab.py --variant debugmodel-helper [--runs 4] [--model debugmodel]
 
 A change to the plugin's background work moves debugmodel's step figures by less than
 they move between two such runs (BENCHMARKS.md, overhead against the bytes' own cost):
@@ -41,19 +43,24 @@ def worktree(rev: str, where: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--other", required=True, help="the revision to compare this work tree with")
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--other", help="the revision to compare this work tree with")
+    which.add_argument("--variant", choices=sorted(bo.MODELS), help="the job to compare --model's with")
     ap.add_argument("--runs", type=int, default=4, help="jobs each way")
     ap.add_argument("--model", default="debugmodel", choices=sorted(bo.MODELS))
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bench-ab-"))
-    other = worktree(args.other, base / "other")
-    sides = {args.other: other, "work tree": ROOT}
+    other = worktree(args.other, base / "other") if args.other else None
+    # side name -> (checkout, job)
+    sides = ({args.other: (other, args.model), "work tree": (ROOT, args.model)} if other
+             else {args.model: (ROOT, args.model), args.variant: (ROOT, args.variant)})
     works: dict = {name: [] for name in sides}
     try:
         for i in range(args.runs):
             for name in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
-                work = base / f"{'other' if sides[name] == other else 'this'}-{i}"
-                proc = subprocess.run([sys.executable, "-c", _JOB, str(sides[name]), str(work), args.model],
+                checkout, job = sides[name]
+                work = base / f"{name.replace(' ', '-')}-{i}"
+                proc = subprocess.run([sys.executable, "-c", _JOB, str(checkout), str(work), job],
                                       capture_output=True, text=True)
                 if proc.returncode:
                     sys.exit(f"a job of {name} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -61,7 +68,7 @@ def main() -> None:
                 print(f"{name}: job {i + 1} of {args.runs}", flush=True)
         steps, ranks = bo.MODELS[args.model][3], bo.MODELS[args.model][4]
         print(f"\n{args.model}, {args.runs} jobs each way, interleaved\n")
-        print("| revision | undisturbed step | local save | a PFS save's local save + drain start | "
+        print("| side | undisturbed step | local save | a PFS save's local save + drain start | "
               "rest of the drain | a PFS period in all, in steps |")
         print("|---|---|---|---|---|---|")
         for name, ws in works.items():
@@ -73,7 +80,8 @@ def main() -> None:
             print(f"- {name}, rank 0, CPU ms by phase (wall ms): a save's write: "
                   f"{bo.phases(bo.later(ws, 'local_commit'))}; a drain: {bo.phases(bo.later(ws, 'pfs_commit'))}")
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=False)
+        if other is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=False)
         shutil.rmtree(base, ignore_errors=True)
 
 

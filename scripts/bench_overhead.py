@@ -59,10 +59,16 @@ MODELS = {
     # one rank, so one of the machine's 2 cores is left to the copy and background
     # threads: what a save costs the steps when training does not keep every core busy
     "debugmodel-1rank": ("debugmodel", 128, 2, 62, 1, ()),
+    # the bytes of each save and drain moved by a helper process per rank ([checkpoint]
+    # helper_process), side by side with the default (threads of the training process)
+    "debugmodel-helper": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.helper_process",)),
+    "100M-helper": ("100M", 32, 1, 38, 2, ("--checkpoint.helper_process",)),
 }
 LABELS = {"debugmodel-copyinsave": "debugmodel, staging_copy = \"save\" (not the default)",
           "debugmodel-normal": "debugmodel, background_policy = \"normal\" (not the default)",
-          "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)"}
+          "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)",
+          "debugmodel-helper": "debugmodel, helper_process = true (not the default)",
+          "100M-helper": "100M, helper_process = true (not the default)"}
 LOCAL_EVERY, PFS_EVERY = 3, 6
 LAUNCH_BOUND_BYTES = 614_571_000  # 100M's state per rank (586.1 MiB), for --launch-bound-only
 BARE = ("debugmodel", "100M")  # issue 15's models get the BareMover control with --bare
@@ -535,10 +541,11 @@ def write_kernel_s(nbytes: int, folder: Path, total: int = 2 << 30) -> float:
     return statistics.median(spent)
 
 
-def _bench_checkpointer(nbytes: int, folder: Path, nice: int, idle: bool):
+def _bench_checkpointer(nbytes: int, folder: Path, nice: int, idle: bool, byte_helper: bool = False):
     """The launch-bound rows' checkpointer: world size 1 (gloo), `nbytes` of state in 16
     tensors, local and PFS every step, its threads `nice` below (and in SCHED_IDLE with
-    `idle`). Returns it and what to call at the end."""
+    `idle`), its local data files written by a byte helper with `byte_helper`
+    ([checkpoint] helper_process). Returns it and what to call at the end."""
     import torch.distributed as dist
 
     from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
@@ -550,7 +557,7 @@ def _bench_checkpointer(nbytes: int, folder: Path, nice: int, idle: bool):
     n = nbytes // 4 // 16
     state = {"model": {f"w{i}": torch.randn(n) for i in range(16)}, "train_state": {"step": 0}}
     s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 1, 2, 2, 0, 1, True, job_id="bench",
-                     background_nice=nice, background_idle=idle)
+                     background_nice=nice, background_idle=idle, helper_process=byte_helper)
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
 
     def close() -> None:
@@ -631,7 +638,7 @@ def _loop_thread() -> tuple[int, float, float]:
 
 
 def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int = 5,
-                 helper: bool = False) -> dict:
+                 helper: bool = False, byte_helper: bool = False) -> dict:
     """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
     run in this process (in a helper process with `helper`), their threads `nice`
     below the loop's (and in SCHED_IDLE with `idle`). Also how often the loop's thread
@@ -646,7 +653,7 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
                 x = x + 1
         return time.perf_counter() - start
 
-    saver = (_SaveInHelper if helper else _SaveHere)(nbytes, folder, nice, idle)
+    saver = (_SaveInHelper if helper else _SaveHere)(nbytes, folder, nice, idle, byte_helper)
     # alone and during interleaved, round by round, alone for as long as the last
     # round's save + drain: the machine's speed drifts over seconds (a previous job's
     # writeback, the host; one VM's loop ran 16 ms or 26-32 ms a sample, switching
@@ -929,29 +936,36 @@ def plugin_memory_rows(base: Path) -> list[tuple]:
 
 
 def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
-    """The launch-bound target at nice 0, nice 10 and in SCHED_IDLE, and the SCHED_IDLE
-    save + drain in a helper process as a control: the ways round-robin, LAUNCH_REPS
+    """The launch-bound target at nice 0, nice 10, in SCHED_IDLE, and in SCHED_IDLE with
+    helper_process (the bytes moved by the rank's byte helper), and the SCHED_IDLE save +
+    drain whole in a helper process as a control: the ways round-robin, LAUNCH_REPS
     times, the median of each: one pass can be 20 points off the next (the machine's
     speed moves within seconds)."""
-    ways = ((0, False, False), (10, False, False), (0, True, False), (0, True, True))
+    # (nice, SCHED_IDLE, the whole save + drain in another process, helper_process)
+    ways = ((0, False, False, False), (10, False, False, False), (0, True, False, False),
+            (0, True, False, True), (0, True, True, False))
     slows: dict = {w: [] for w in ways}
-    sleeps: dict = {False: [], True: []}  # the SCHED_IDLE ways': in this process, in a helper
+    sleeps: dict = {w: [] for w in ways if w[1]}  # the SCHED_IDLE ways'
     for rep in range(LAUNCH_REPS):
-        for nice, idle, helper in ways:
-            folder = base / f"launch-{nice}-{idle}-{helper}-{rep}"
-            lb = launch_bound(nbytes, folder, nice, idle, helper=helper)
+        for way in ways:
+            nice, idle, helper, byte_helper = way
+            folder = base / f"launch-{nice}-{idle}-{helper}-{byte_helper}-{rep}"
+            lb = launch_bound(nbytes, folder, nice, idle, helper=helper, byte_helper=byte_helper)
             shutil.rmtree(folder, ignore_errors=True)
-            slows[(nice, idle, helper)].append(lb["during_s"] / lb["alone_s"] - 1)
+            slows[way].append(lb["during_s"] / lb["alone_s"] - 1)
             if idle:
-                sleeps[helper].append((lb["sleeps"], lb["asleep"]))
+                sleeps[way].append((lb["sleeps"], lb["asleep"]))
     rows = [("launch-bound loop: its thread's waits for the GIL (the times it slept) per save + drain, and "
-             "its share of time asleep, the SCHED_IDLE save + drain in this process / in a helper process",
-             " / ".join(f"{statistics.median(n for n, _ in sleeps[h]):.0f} waits, "
-                        f"{statistics.median(a for _, a in sleeps[h]):.1%} asleep" for h in (False, True)),
+             "its share of time asleep, the SCHED_IDLE save + drain in this process / with helper_process / "
+             "in a helper process",
+             " / ".join(f"{statistics.median(n for n, _ in got):.0f} waits, "
+                        f"{statistics.median(a for _, a in got):.1%} asleep" for got in sleeps.values()),
              "", None)]
-    for (nice, idle, helper), got in slows.items():
+    for (nice, idle, helper, byte_helper), got in slows.items():
         slow = statistics.median(got)
         how = "SCHED_IDLE, as \"auto\" within a step" if idle else f"background_nice {nice}"
+        if byte_helper:
+            how += "; helper_process = true: its bytes moved by the rank's byte helper"
         what = ("the same save + drain in a helper process (a control: what a helper process leaves; "
                 if helper else "a concurrent save + drain (")
         rows.append((f"launch-bound loop slowed by {what}100M state, {how})",

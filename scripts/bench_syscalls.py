@@ -2,12 +2,13 @@
 (issue 15), counted by strace: a background thread gives the GIL up for each call and
 takes it back after, and each take-back may wait for the training thread.
 
-    .venv/bin/python scripts/bench_syscalls.py [--flavor debugmodel] [--saves 8]
+    .venv/bin/python scripts/bench_syscalls.py [--flavor debugmodel] [--saves 8] [--helper-process]
 
 One process, world size 1, a rank's share of the flavor's state as 2 FSDP ranks hold
 it (model and AdamW moments, the small items), a local save every step and a PFS drain
 every second one, after 4 saves of warm-up (the layout's first save and drain plan it).
-Needs strace.
+With --helper-process ([checkpoint] helper_process) the byte helper's own calls are a row
+of their own (a save's local file and a drain's copy, per save). Needs strace.
 """
 
 import argparse
@@ -23,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "bench-syscalls-start"  # strace shows a write's first 32 bytes
 THREADS = {"ckpt-local-writ": "local writer (a save)", "ckpt-pfs-draine": "PFS drain (a drain)",
-           "ckpt-staging-co": "staging copy (a save)"}
+           "ckpt-staging-co": "staging copy (a save)", "ckpt-byte-helpe": "byte helper process (a save)"}
 
 
-def worker(flavor: str, saves: int, folder: Path) -> None:
+def worker(flavor: str, saves: int, folder: Path, helper_process: bool) -> None:
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "scripts"), str(ROOT)]
     import torch
     import torch.distributed as dist
@@ -39,7 +40,8 @@ def worker(flavor: str, saves: int, folder: Path) -> None:
     torch.set_num_threads(1)
     state = flavor_state(flavor, lambda shape: torch.randn(-(-shape[0] // 2), *shape[1:]), 0, 2)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 2, 2, 2, 0, 1, True, job_id="bench")
+    s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 2, 2, 2, 0, 1, True, job_id="bench",
+                     helper_process=helper_process)
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
     for step in range(1, 5 + saves):
         if step == 5:
@@ -72,10 +74,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flavor", default="debugmodel")
     ap.add_argument("--saves", type=int, default=8)
+    ap.add_argument("--helper-process", action="store_true", help="[checkpoint] helper_process = true")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.flavor, args.saves, args.worker)
+        worker(args.flavor, args.saves, args.worker, args.helper_process)
         return
     if not shutil.which("strace"):
         sys.exit("bench_syscalls.py needs strace (apt-get install strace)")
@@ -83,7 +86,8 @@ def main() -> None:
     trace = base / "trace"
     try:
         proc = subprocess.run(["strace", "-f", "-qq", "-o", str(trace), sys.executable, __file__,
-                               "--flavor", args.flavor, "--saves", str(args.saves), "--worker", str(base / "run")],
+                               "--flavor", args.flavor, "--saves", str(args.saves), "--worker", str(base / "run"),
+                               *(["--helper-process"] if args.helper_process else [])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env=dict(os.environ, OMP_NUM_THREADS="1"))
         if proc.returncode:
@@ -91,10 +95,13 @@ def main() -> None:
         counts = count(str(trace), args.saves)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"{args.flavor} (a rank's share of 2), {args.saves} saves, {args.saves // 2} drains\n")
+    print(f"{args.flavor} (a rank's share of 2), {args.saves} saves, {args.saves // 2} drains"
+          + (", helper_process = true" if args.helper_process else "") + "\n")
     print("| thread | system calls | of them futex (GIL and lock hand-overs) | the most frequent others |")
     print("|---|---|---|---|")
     for what, c in counts.items():
+        if not c:
+            continue
         others = sorted(((v, k) for k, v in c.items() if k != "futex"), reverse=True)[:6]
         print(f"| {what} | {sum(c.values()):.0f} | {c.get('futex', 0):.0f} | "
               + ", ".join(f"{k} {v:.0f}" for v, k in others) + " |")

@@ -33,6 +33,18 @@ def test_keys_parse_from_toml_and_cli(tmp_path):
     assert cfg.checkpoint.local_interval == 3 and cfg.checkpoint.tier_local is False
     assert ck.pfs_reuse_files is True
     assert _parse(tmp_path, "--checkpoint.no-pfs-reuse-files").checkpoint.pfs_reuse_files is False
+    assert ck.helper_process is False
+    assert _parse(tmp_path, "--checkpoint.helper_process").checkpoint.helper_process is True
+
+
+def test_a_helper_process_where_there_is_no_memfd_is_refused_naming_the_key(tmp_path, monkeypatch):
+    """Not Linux: no shared staging buffer for a helper to write from."""
+    import os
+
+    cfg = _parse(tmp_path, "--checkpoint.helper_process")
+    monkeypatch.delattr(os, "memfd_create")
+    with pytest.raises(config.ConfigError, match="helper_process = true needs Linux.*Fix: set helper_process = false"):
+        config.validate(cfg.checkpoint, cfg.job.dump_folder)
 
 
 def test_unknown_key_names_the_key(tmp_path):

@@ -3,6 +3,7 @@
 One uninterrupted reference run; every other run is compared with it bit for bit.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -142,3 +143,38 @@ def test_local_steps_of_another_layout_and_no_pfs_step_refuse_to_start_over(refe
     assert "refusing to load a corrupt one or to silently start over" in proc.stdout
     assert "skipped local step 12" in proc.stdout
     assert not losses(work, "run2.jsonl")  # not one step trained from scratch
+
+
+def _helpers_running() -> list[int]:
+    """Byte helper processes alive on this machine (none once their ranks are gone)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if b"titan_ckpt_plus.tiers.byte_helper" in cmd and not zombie:
+            out.append(int(pid))
+    return out
+
+
+def test_with_helper_processes_a_kill_in_a_helpers_write_resumes_bit_exact(reference, tmp_path):
+    """[checkpoint] helper_process = true: each rank's local files and PFS copies are
+    written by its helper process. A kill injected in rank 1's helper while it writes
+    step 8 kills rank 1 (the fault keeps its meaning); no helper outlives its rank; the
+    restart, helpers on, resumes bit for bit from step 6 and drains on."""
+    _killed(torchrun(tmp_path, "--checkpoint.helper_process", fault="kill_during_local_write@8:1",
+                     loss_log="run1.jsonl"))
+    commits = ckpt_events(tmp_path, "local_commit")
+    assert [e["step"] for e in commits] == [2, 4, 6] and all(e["by_helper"] for e in commits)
+    assert [(e["step"], e["by_helper"]) for e in ckpt_events(tmp_path, "pfs_commit")] == [(4, True)]
+    assert _helpers_running() == []
+    ok(torchrun(tmp_path, "--checkpoint.helper_process", loss_log="run2.jsonl"))
+    rec = _recovery(tmp_path)
+    assert (rec["tier"], rec["step"]) == ("local", 6)
+    _same_losses_from(tmp_path, reference, 7, "run2.jsonl")
+    assert [(e["step"], e["by_helper"]) for e in ckpt_events(tmp_path, "pfs_commit")][1:] == [(8, True), (12, True)]
+    assert _helpers_running() == []

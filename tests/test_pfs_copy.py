@@ -354,8 +354,8 @@ def test_a_drain_times_its_phases(pg, tmp_path):
         pfs.save(step, layout, specs, PartSource(layout.total_bytes, None, *local.data_file(step)), pg, clock=clock)
         assert all(w >= 0 and c >= 0 for w, c in clock.phases.values())
         seen.append(set(clock.phases))
-    assert seen[0] == {"clear", "items", "copy", "small_items", "dcp_save"}
-    assert seen[1] == {"clear", "items", "copy", "small_items", "gather", "metadata"}
+    assert seen[0] == {"clear", "items", "copy", "dcp_save"}
+    assert seen[1] == {"clear", "items", "copy", "gather", "metadata"}
 
 
 def test_a_purged_steps_data_file_is_written_over_by_the_next_drain(pg, tmp_path):

@@ -20,6 +20,7 @@ goes on and the older checkpoints stay.
 """
 
 import errno
+import functools
 import queue
 import shutil
 import threading
@@ -36,6 +37,7 @@ from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
 from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog, PhaseClock
+from titan_ckpt_plus.tiers.byte_helper import ByteHelper
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
@@ -70,6 +72,7 @@ class TierSettings:
     pfs_reuse_files: bool = True  # purged PFS data files are written over by the next drain
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
     background_idle: bool = False  # the copy, the drain's checksums, background gloo threads: SCHED_IDLE while on time
+    helper_process: bool = False  # the local data file written by a helper process (tiers/byte_helper.py)
 
     @property
     def layout_tag(self) -> dict:
@@ -106,6 +109,8 @@ class _Job:
     layout_bytes: bytes | None = None  # set once staged
     fingerprint: str = ""
     beside_export: bool = False  # the PFS copy goes to full_state/step-N
+    helper: ByteHelper | None = None  # moves the bytes, if the job has one (helper_process)
+    generation: int = 0  # the staging buffer's (HostBuffer.generation) the job staged into
 
 
 @dataclass
@@ -133,7 +138,8 @@ class TieredCheckpointer:
         self.stats = SaveStats()
         # Per-save figures once per job, not once per rank; warnings stay on every rank.
         self._info = log.info if s.rank == 0 else (lambda *_: None)
-        self.buffer = staging.HostBuffer(pin=s.pin)
+        self.helper = self._start_helper(s.background_nice) if s.helper_process else None
+        self.buffer = staging.HostBuffer(pin=s.pin, shared=self.helper is not None)
         # Made here, on the training thread: its current device is the rank's.
         self.device = device or (device_copy.CudaDevice() if s.pin else device_copy.Device())
         self._buffer_free = threading.Event()
@@ -189,6 +195,25 @@ class TieredCheckpointer:
         self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy",
                                                 idle=self.background)
 
+    @staticmethod
+    def _start_helper(nice: int) -> ByteHelper | None:
+        """The byte helper, at the writer's and the drain's priority (background_nice)."""
+        try:
+            return ByteHelper(nice)
+        except OSError as e:
+            log.warning(f"[titan_ckpt_plus] [checkpoint] helper_process = true: the helper process did not "
+                        f"start ({e!r}); the local writes stay in the training process")
+            return None
+
+    def _helper_alive(self) -> bool:
+        """Whether the byte helper takes the next write; one that ended (killed, out
+        of memory) leaves the writes to this process, with a warning, once."""
+        if self.helper is not None and not self.helper.alive:
+            log.warning(f"[titan_ckpt_plus] the byte helper process ended (exit code "
+                        f"{self.helper.proc.poll()}); the local writes go on in the training process")
+            self.helper = None
+        return self.helper is not None
+
     def _background_group(self, backend: str = "gloo", idle: bool = True):
         """A process group for background work only (the vote, the drain, replication):
         with `idle`, its gloo threads, which move a collective's bytes and wake for its
@@ -223,6 +248,9 @@ class TieredCheckpointer:
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
+        if self._helper_alive():  # the helper writes what the copy has staged, as it is staged
+            job.helper = self.helper
+            job.progress.listener = functools.partial(self.helper.progress, step)
         self.background.begin(("write", step))
         inline = (last_step or not self.s.overlap_copy
                   or (self.s.prefer_copy_in_save and not self._buffer_lent()))
@@ -232,6 +260,9 @@ class TieredCheckpointer:
             job.capture_s = time.monotonic() - c0
             job.layout, tensors, job.specs = staging.plan_layout(captured)
             self.buffer.ensure(job.layout.total_bytes)
+            job.generation = self.buffer.generation
+            if job.helper is not None:
+                job.helper.share(job.generation, self.buffer.fd, self.buffer.data.numel())
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
             job.progress.fail()
@@ -423,6 +454,8 @@ class TieredCheckpointer:
         self._write_q.put(None)
         self._writer.join()
         self.drain.close()
+        if self.helper is not None:
+            self.helper.close()
         self.buffer.release()
         if self._ended:
             self.pfs.release_spares()
@@ -519,14 +552,15 @@ class TieredCheckpointer:
         """The local write follows the staging copy chunk by chunk, so a step is
         durable about one write after the save began, not one copy plus one write."""
         t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()
-        nbytes, own = 0, None
+        nbytes, own, helper_write = 0, None, self._helper_write(job)
         if job.layout is not None:  # planned; the copy may still be running
             try:
                 data = self.buffer.data[: job.layout.total_bytes].numpy()
                 manifest, layout_bytes = self.local.write_part(
                     job.step, data, lambda: self._describe(job),
                     on_chunk=lambda _n: self._write_faults(job.step),
-                    before_chunk=job.progress.wait, known_crc=lambda: job.progress.crc)
+                    before_chunk=job.progress.wait, known_crc=lambda: job.progress.crc,
+                    helper_write=helper_write)
                 own = Part(manifest, layout_bytes, data)
                 nbytes = own.nbytes()
             except Exception as e:
@@ -551,7 +585,8 @@ class TieredCheckpointer:
             # until the drain is done (the next save waits), so a full or broken local
             # disk does not stop the persistent tier. Else the next save takes them back.
             job.loan = StagedBytes(self.buffer.data[: job.layout.total_bytes].numpy(),
-                                   reclaimable=own is not None)
+                                   reclaimable=own is not None, step=job.step, generation=job.generation,
+                                   helper=job.helper)
             if job.loan.reclaimable:
                 self._loans.append(job.loan)
         if job.loan is None or job.loan.reclaimable:
@@ -586,7 +621,8 @@ class TieredCheckpointer:
             self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
                                staging_s=job.staging_s, background_write_s=write_s,
                                time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
-                               staging_cpu_s=job.staging_cpu_s, phases=clock.phases)
+                               staging_cpu_s=job.staging_cpu_s, phases=clock.phases,
+                               by_helper=helper_write is not None)
         if job.pfs_due:
             self._drain(job)
         try:
@@ -596,6 +632,14 @@ class TieredCheckpointer:
             self.local.purge(protected=set(self.drain.steps), held=held, committed_now=job.step)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
+
+    @staticmethod
+    def _helper_write(job: _Job):
+        """The byte helper's write for this job, if it has one still running; else the
+        write stays here (the bytes are in the buffer all the same)."""
+        if job.helper is None or not job.helper.alive:
+            return None
+        return functools.partial(job.helper.write, job.step, job.generation)
 
     def _describe(self, job: _Job) -> tuple[bytes, dict]:
         """The layout's bytes and the manifest's fields, made by the copy thread

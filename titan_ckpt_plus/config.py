@@ -125,6 +125,16 @@ class Checkpoint:
     (BENCHMARKS.md, the overhead section: debugmodel's saves less in save(), 100M's
     less on the thread); "save" blocks training for the whole copy."""
 
+    helper_process: bool = False
+    """Write each rank's local data file from a helper process (one per rank, without
+    torch: about 17 MiB of memory) instead of a thread of the training process; the
+    staging buffer is then shared memory. On hosts where a background thread's system
+    calls cost the training thread more than their own CPU (its GIL hand-overs), this
+    keeps them out of the training process (BENCHMARKS.md, overhead: the launch-bound
+    rows). Linux only. The helper dies with its rank; if it ends on its own, the writes
+    go on in the training process. The drain, the vote and replication stay in the
+    training process for now (docs/helper_process.md)."""
+
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
     the same on every rank: resumable at any DP degree) or "per_rank" (torchtitan's
@@ -264,6 +274,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] background_nice = {ckpt.background_nice} is invalid. Fix: 0 (background "
             "threads at training's priority) to 19 (lowest), or -1 (auto, the default).")
+    if getattr(ckpt, "helper_process", False) and not hasattr(os, "memfd_create"):
+        raise ConfigError(
+            "[checkpoint] helper_process = true needs Linux (memfd_create, for the staging buffer the helper "
+            "shares). Fix: set helper_process = false on this platform.")
     if getattr(ckpt, "background_policy", "auto") not in BACKGROUND_POLICY:
         raise ConfigError(
             f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"auto\" "

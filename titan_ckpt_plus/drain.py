@@ -34,19 +34,23 @@ class StagedBytes:
     write failed has no file: its loan is not `reclaimable`, and the next save waits
     for the drain instead (the checkpointer keeps the buffer held)."""
 
-    def __init__(self, data, reclaimable: bool) -> None:
+    def __init__(self, data, reclaimable: bool, step: int = -1, generation: int = 0, helper=None) -> None:
         self.data = memoryview(data).cast("B")
         self.reclaimable = reclaimable
+        self.step, self.generation = step, generation  # the buffer's (HostBuffer.generation)
+        self.helper = helper  # a byte helper that may be copying them (helper_process)
         self.lock = threading.Lock()
         self.taken_back = False
         self.returned = False  # the drain is done with them (set by the checkpointer)
 
     def take_back(self) -> None:
         """From the next piece on, the drain reads the file; returns once the piece
-        being written from memory (if any) is written."""
+        being written from memory (if any, here or by the byte helper) is written."""
         self.taken_back = True
         with self.lock:
             pass
+        if self.helper is not None:
+            self.helper.take_back(self.step)
 
 
 class PartSource:
@@ -57,10 +61,36 @@ class PartSource:
     or the copied ones as they are written."""
 
     def __init__(self, total: int, staged: StagedBytes | None, path: str | None = None,
-                 expect: dict | None = None, yielding: Callable = contextlib.nullcontext) -> None:
+                 expect: dict | None = None, yielding: Callable = contextlib.nullcontext,
+                 helper=None, step: int = -1) -> None:
         self.total, self.staged, self.path, self.expect = total, staged, path, expect
         self.crc = expect[files.SUM] if expect and expect.get("size") == total else None
         self.yielding = yielding
+        self.helper, self.step = helper, step  # the byte helper copies it, if there is one
+        self.by_helper = False  # whether it did
+
+    def copy(self, path: str, reuse: str | None, spans: list, tail: bytes) -> dict:
+        """Write `spans` of the part, then `tail` (the small items), to `path`, durably
+        (Appender: O_DIRECT for the bulk, fsync'd); returns its size and CRC-32C. By the
+        byte helper if there is one still running, else by this thread."""
+        known = self.crc if self.verbatim(spans) else None
+        if self.helper is not None and self.helper.alive:
+            lent = self.staged is not None and not self.staged.taken_back
+            out = self.helper.copy(self.step, self.staged.generation if lent else None, path, reuse, spans,
+                                   tail, self.path, self.expect, known)
+            self.by_helper = True
+            return {"size": out["size"], files.SUM: out[files.SUM]}  # the manifest's entry
+        with files.Appender(path, reuse) as out:
+            with contextlib.closing(self.pieces(spans)) as pieces:
+                for _, piece in pieces:
+                    out.write(piece, crc=known is None)
+            if out.size != sum(b - a for a, b in spans):
+                raise files.CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
+            if known is not None:
+                out.crc = known
+            if tail:
+                out.write(tail)
+        return {"size": out.size, files.SUM: out.crc}
 
     def verbatim(self, spans: list) -> bool:
         """Whether copying `spans` copies the whole part, whose CRC-32C is known."""
@@ -138,7 +168,7 @@ class PfsDrain:
         total = job.layout.total_bytes
         no_file = job.loan is not None and not job.loan.reclaimable
         return PartSource(total, job.loan, *(() if no_file else self.local.data_file(job.step)),
-                          yielding=self._yielding)
+                          yielding=self._yielding, helper=job.helper, step=job.step)
 
     def _drain(self, job) -> None:
         t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()
@@ -166,6 +196,6 @@ class PfsDrain:
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] PFS retention failed: {e!r}")
         clock.mark("purge")
-        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
+        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes, by_helper=bool(source and source.by_helper),
                            background_write_s=self.last_seconds, cpu_s=time.thread_time() - cpu0,
                            drain_lag_steps=self.stats.last_committed - job.step, phases=clock.phases)

@@ -38,11 +38,13 @@ def _armed(kind: str, step: int) -> bool:
     return False
 
 
-def maybe_kill(kind: str, step: int) -> None:
+def maybe_kill(kind: str, step: int, pid: int | None = None) -> None:
+    """SIGKILL this process, or the rank `pid` (from its helper process, which then
+    dies with it: byte_helper)."""
     if _armed(kind, step):
         print(f"[titan_ckpt_plus.faults] {kind} at step {step}: SIGKILL rank "
               f"{os.environ.get('RANK', '0')}", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid() if pid is None else pid, signal.SIGKILL)
 
 
 def maybe_preempt(step: int) -> None:

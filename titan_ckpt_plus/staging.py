@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import mmap
+import os
 import pickle
 import threading
 from dataclasses import dataclass, field
@@ -245,6 +246,7 @@ class StagingProgress:
         self.failed = False
         self.crc = 0
         self._data: memoryview | None = None
+        self.listener = None  # told each advance (bytes staged) and a failure (None)
 
     def checksum(self, data) -> None:
         self._data = memoryview(data).cast("B")
@@ -255,11 +257,15 @@ class StagingProgress:
         with self._cv:
             self.done = upto
             self._cv.notify_all()
+        if self.listener is not None:
+            self.listener(upto)
 
     def fail(self) -> None:
         with self._cv:
             self.failed = True
             self._cv.notify_all()
+        if self.listener is not None:
+            self.listener(None)
 
     def wait(self, upto: int) -> None:
         """Block until the first `upto` bytes are staged; raise if staging failed."""
@@ -271,6 +277,15 @@ class StagingProgress:
 
 
 HUGE_PAGE = 2 << 20
+
+
+def _advise(mm: mmap.mmap, inherit: bool) -> None:
+    """Huge pages for the mapping, and not `inherit`: none for a forked child."""
+    for advice in (("MADV_HUGEPAGE",) if inherit else ("MADV_HUGEPAGE", "MADV_DONTFORK")):
+        try:
+            mm.madvise(getattr(mmap, advice))
+        except (AttributeError, OSError):  # not Linux, or a kernel without THP
+            pass
 
 
 def huge_page_buffer(nbytes: int, inherit: bool = True) -> torch.Tensor:
@@ -286,12 +301,22 @@ def huge_page_buffer(nbytes: int, inherit: bool = True) -> torch.Tensor:
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds `mm` alive
     skip = -raw.data_ptr() % HUGE_PAGE
-    for advice in (("MADV_HUGEPAGE",) if inherit else ("MADV_HUGEPAGE", "MADV_DONTFORK")):
-        try:
-            mm.madvise(getattr(mmap, advice))
-        except (AttributeError, OSError):  # not Linux, or a kernel without THP
-            pass
+    _advise(mm, inherit)
     return raw[skip : skip + nbytes]
+
+
+def shared_buffer(nbytes: int, inherit: bool = True) -> tuple[torch.Tensor, int]:
+    """`nbytes` of shared memory (a memfd, mapped MAP_SHARED) and its fd, for a helper
+    process to write from (tiers/byte_helper.py). Advised for huge pages, which Linux
+    gives shared memory only where /sys/kernel/mm/transparent_hugepage/shmem_enabled
+    allows: else an O_DIRECT write pins 4 KiB pages, about three times the kernel time,
+    spent in the helper. Not `inherit`: as huge_page_buffer."""
+    fd = os.memfd_create("titan-ckpt-staging", os.MFD_CLOEXEC)
+    size = max(nbytes, PAGE)
+    os.ftruncate(fd, size)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    _advise(mm, inherit)
+    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], fd
 
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
@@ -343,9 +368,12 @@ class HostBuffer:
     """A reusable host buffer, the state's size (in 2 MiB pages, page-aligned for
     O_DIRECT); grows when the state grows; pinned in place when a GPU is used."""
 
-    def __init__(self, pin: bool, register=register_with_cuda) -> None:
+    def __init__(self, pin: bool, register=register_with_cuda, shared: bool = False) -> None:
         self.pin = pin
         self.register = register
+        self.shared = shared  # shared memory, for a helper process (shared_buffer)
+        self.fd = -1  # the shared memory's memfd
+        self.generation = 0  # which buffer this is: a new one each time it grows
         self.data = torch.empty(0, dtype=torch.uint8)
         self._unpin = None  # undoes the current buffer's registration
         self._views_key: tuple | None = None
@@ -356,7 +384,11 @@ class HostBuffer:
         copy has landed, so no DMA still writes to a buffer this replaces; readers
         of the old one (a drain) keep its memory alive, unpinned."""
         if self.data.numel() < nbytes:
-            data, unpin = huge_page_buffer(nbytes, inherit=not self.pin), None
+            fd, unpin = -1, None
+            if self.shared:
+                data, fd = shared_buffer(nbytes, inherit=not self.pin)
+            else:
+                data = huge_page_buffer(nbytes, inherit=not self.pin)
             if self.pin:
                 try:
                     unpin = self.register(data)
@@ -369,7 +401,10 @@ class HostBuffer:
                 log.info(f"[titan_ckpt_plus] staging buffer: {nbytes} bytes of state, {pinned} bytes pinned "
                          f"({'in place' if unpin else 'by torch'}; is_pinned={data.is_pinned()})")
             self.release()
-            self.data, self._unpin = data, unpin
+            if self.fd >= 0:
+                os.close(self.fd)  # the mapping stays while views of it live
+            self.data, self._unpin, self.fd = data, unpin, fd
+            self.generation += 1
         return self.data
 
     def release(self) -> None:

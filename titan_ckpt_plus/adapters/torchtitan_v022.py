@@ -87,6 +87,7 @@ class TieredCheckpointManager(_StockManager):
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
             background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
+            helper_process=getattr(checkpoint_config, "helper_process", False),
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
@@ -120,7 +121,8 @@ class TieredCheckpointManager(_StockManager):
                        else f"at nice +{settings.background_nice}")
                     + f" (background_policy {policy_key!r}"
                     + ("; not SCHED_IDLE: a late thread could not leave it, no CAP_SYS_NICE)"
-                       if policy_key == "auto" and not settings.background_idle else ")"))
+                       if policy_key == "auto" and not settings.background_idle else ")")
+                    + ("; local data files written by a helper process" if self.tiered.helper else ""))
         if policy_key == "idle" and not settings.background_idle:
             logger.warning('[titan_ckpt_plus] [checkpoint] background_policy = "idle" cannot be honoured: '
                            "a thread in SCHED_IDLE could not come back when its work is late (needs "

@@ -281,8 +281,15 @@ class DurableBatch:
     not keep its bytes there."""
 
     def __init__(self) -> None:
-        self._open: list[tuple[int, str, str]] = []  # (fd, temporary name, final name)
+        self._open: list[tuple[int, str, str]] = []  # (fd or -1, temporary name, final name)
         self._streams: list[Appender] = []
+
+    def adopt(self, path: str) -> str:
+        """A temporary name for `path` that another process writes and fsyncs (the byte
+        helper); renamed with the batch's other files, in order, or removed."""
+        tmp = temporary(path)
+        self._open.append((-1, tmp, path))
+        return tmp
 
     def __enter__(self) -> "DurableBatch":
         return self
@@ -332,10 +339,12 @@ class DurableBatch:
                 for out in self._streams:
                     _cut_to(out.fd, out.size, out.flags)
                 for fd, _, _ in self._open:
-                    os.fsync(fd)
+                    if fd >= 0:
+                        os.fsync(fd)
         finally:
             for fd, tmp, _ in self._open:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
                 if exc_type is not None:
                     with contextlib.suppress(OSError):
                         os.remove(tmp)

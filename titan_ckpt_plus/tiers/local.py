@@ -353,16 +353,22 @@ class LocalTier:
         return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
 
     def write_part(self, step: int, data, describe, on_chunk=None, before_chunk=None,
-                   known_crc=None) -> tuple[bytes, bytes]:
+                   known_crc=None, helper_write=None) -> tuple[bytes, bytes]:
         """Write this rank's part durably; returns its manifest's bytes (what a
         replica receiver stores as is) and its layout's. `describe()` gives the layout
         bytes and the manifest's fields; it is called once the data is written, so
-        the caller can make them while the disk works. Raises on I/O error."""
+        the caller can make them while the disk works. `helper_write(tmp, reuse,
+        size)`: the data file is written by the byte helper process instead (its
+        CRC-32C then from `known_crc`). Raises on I/O error."""
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [self.rank])
         with files.DurableBatch() as batch:
-            data_entry = batch.write(self._part(step, "data"), data, on_chunk, before_chunk, known_crc,
-                                     reuse=self._spare(self.rank))
+            path, spare = self._part(step, "data"), self._spare(self.rank)
+            if helper_write is None:
+                data_entry = batch.write(path, data, on_chunk, before_chunk, known_crc, reuse=spare)
+            else:
+                helper_write(batch.adopt(path), spare, len(data))
+                data_entry = {"size": len(data), files.SUM: known_crc()}
             layout_bytes, meta = describe()
             manifest = dict(meta, job_id=self.job_id, step=step, rank=self.rank,
                             world_size=self.world_size, written_at=time.time())

@@ -110,8 +110,9 @@ class PartCopyWriter(FileSystemWriter):
     """torchtitan's default DCP writer (one file per rank, fsync'd), whose tensor items
     are copied from a part already in DCP's per-rank form instead of torch.save'd.
 
-    `source` gives the part's bytes (drain.PartSource: the staged buffer, or the local
-    file checked as it is read); `layout` says where each tensor's torch.save frame is
+    `source` copies the part's bytes (drain.PartSource.copy: from the staged buffer, or
+    the local file checked as it is read; by the byte helper process where there is
+    one); `layout` says where each tensor's torch.save frame is
     in them. The frames of this rank's items are copied as page-aligned spans, so the
     bulk goes to the file with O_DIRECT where it is taken, and a part whose items are
     all this rank's (FSDP, TP, PP) is copied verbatim, its CRC-32C then the local
@@ -150,25 +151,14 @@ class PartCopyWriter(FileSystemWriter):
         blobs = [(item, self.small.serialize(staging.value_at(self.layout.skeleton, path)))
                  for item, path in placed.small]
         self.clock.mark("items")
-        with files.Appender(os.path.join(self.path, placed.name), self.reuse) as out:
-            verbatim = self.source.verbatim(placed.spans)
-            with contextlib.closing(self.source.pieces(placed.spans)) as pieces:
-                for _, piece in pieces:
-                    out.write(piece, crc=not verbatim)
-            if out.size != sum(b - a for a, b in placed.spans):
-                raise files.CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
-            if verbatim:
-                out.crc = self.source.crc
-            self.clock.mark("copy")
-            results, at = list(placed.results), out.size
-            for item, data in blobs:  # train_state, the dataloader's, lr ...: as DCP serializes them
-                results.append(WriteResult(item.index, len(data), _StorageInfo(placed.name, at, len(data))))
-                at += len(data)
-            if blobs:
-                out.write(b"".join(data for _, data in blobs))
+        results, at = list(placed.results), sum(b - a for a, b in placed.spans)
+        for item, data in blobs:  # train_state, the dataloader's, lr ...: as DCP serializes them
+            results.append(WriteResult(item.index, len(data), _StorageInfo(placed.name, at, len(data))))
+            at += len(data)
+        self.written[placed.name] = self.source.copy(os.path.join(self.path, placed.name), self.reuse,
+                                                     placed.spans, b"".join(data for _, data in blobs))
         self.small_lengths = [len(data) for _, data in blobs]
-        self.written[placed.name] = {"size": out.size, files.SUM: out.crc}
-        self.clock.mark("small_items")  # and the file's fsync (Appender's close)
+        self.clock.mark("copy")  # the spans, the small items after them, the file's fsync
         fut: Future = Future()
         fut.set_result(results)
         return fut
