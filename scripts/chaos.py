@@ -15,6 +15,7 @@ per tier.
 """
 
 import argparse
+import shlex
 import contextlib
 import os
 import shutil
@@ -318,15 +319,16 @@ class Matrix:
     """Runs scenarios under `base`, with one uninterrupted run per job shape to compare
     losses with (made on first use)."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, keys: tuple = ()) -> None:
         self.base = Path(base)
+        self.keys = keys  # plugin keys every run gets (--keys)
         self._baselines: dict = {}
 
     def launch(self, work: Path, nodes: int, nproc: int, *overrides: str, fault: str = "",
                tag: str = "run", local: Path | None = None) -> list:
         env = {"TITAN_CKPT_SAMPLE_LOG": str(work / f"{tag}.samples.jsonl")}
         args = ("--training.global_batch_size", str(2 * nproc * nodes if nodes > 1 else 4),
-                *overrides)  # one global batch for DP 1 and 2, so DP can change
+                *self.keys, *overrides)  # one global batch for DP 1 and 2, so DP can change
         if nodes == 1:
             procs = [harness.torchrun(work, *args, nproc=nproc, fault=fault, loss_log=f"{tag}.jsonl",
                                       env=env, local=local)]
@@ -474,13 +476,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ci", action="store_true", help="only the CI subset")
     ap.add_argument("--work", default="", help="keep the runs here (default: a temporary folder)")
     ap.add_argument("--update", metavar="BENCHMARKS.md", help="write the table into this file")
+    ap.add_argument("--keys", default="", help="options every run gets, e.g. --keys=--checkpoint.helper_process "
+                    "(printed only: the recorded matrix is the defaults')")
     args = ap.parse_args(argv)
+    if args.keys and args.update:
+        ap.error("--keys runs are printed, not recorded: drop --update")
     names = args.names or (CI_SUBSET if args.ci else list(BY_NAME))
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown scenario(s) {unknown}; known: {', '.join(BY_NAME)}")
     base = Path(args.work or tempfile.mkdtemp(prefix="titan-chaos-"))
-    matrix, results = Matrix(base), []
+    matrix, results = Matrix(base, tuple(shlex.split(args.keys))), []
     for n in names:
         r = matrix.run(n)
         results.append(r)
@@ -490,9 +496,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchmd import record_targets
 
     passed = sum(r.status == "pass" for r in results)
-    record_targets("chaos", [("fault scenarios recovered as expected", f"{passed} of {len(results)}"
-                              f" ({sum(bool(r.skipped) for r in results)} skipped)", "all",
-                              passed == len(results))])
+    if args.keys:
+        print(f"with {args.keys}: {passed} of {len(results)} passed")
+    else:
+        record_targets("chaos", [("fault scenarios recovered as expected", f"{passed} of {len(results)}"
+                                  f" ({sum(bool(r.skipped) for r in results)} skipped)", "all",
+                                  passed == len(results))])
     if args.update:
         from benchmd import update_section
 

@@ -103,10 +103,13 @@ def _local_file(tmp_path, data: torch.Tensor) -> tuple[str, dict]:
     return path, files.write_durable(path, data.numpy())
 
 
-def test_the_drains_copy_reads_the_buffer_until_it_is_taken_back_then_the_local_file(helper, tmp_path):
+def test_the_drains_copy_reads_the_buffer_until_it_is_taken_back_then_the_local_file(tmp_path, monkeypatch):
     """The PFS copy of a part: from the shared buffer while the drain holds it; after a
     take-back (the next save's copy is about to overwrite the buffer) none of its bytes
-    come from the buffer, the rest from the local file, checked; the small items follow."""
+    come from the buffer, the rest from the local file, checked; the small items follow.
+    slow_pfs_copy holds step 3's copy 0.1 s a piece, so its take-back lands mid-copy."""
+    monkeypatch.setenv(faults.ENV, "slow_pfs_copy@3")
+    helper = ByteHelper()
     n = (64 << 20) + (5 << 12)
     data = _shared(n, helper)
     data.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8))
@@ -114,24 +117,28 @@ def test_the_drains_copy_reads_the_buffer_until_it_is_taken_back_then_the_local_
     file, entry = _local_file(tmp_path, data)
     # small items larger than a datagram (a per-rank dataloader's state can be)
     spans, tail = [(0, 4 << 20), (8 << 20, n)], bytes(range(256)) * 1200
-    want = original[: 4 << 20] + original[8 << 20 :] + tail
+    total, want = n - (4 << 20), original[: 4 << 20] + original[8 << 20 :] + tail
 
     def copy(step, gen, name, crc=None):
-        out = helper.copy(step, gen, str(tmp_path / name), None, spans, tail, file, entry, crc)
+        entry_out, from_memory = helper.copy(step, gen, str(tmp_path / name), None, spans, tail, file, entry, crc)
         assert (tmp_path / name).read_bytes() == want, name
-        assert out["size"] == len(want) and out[files.SUM] == files.checksum(want)
-        return out["from_memory"]
+        assert entry_out == {"size": len(want), files.SUM: files.checksum(want)}
+        return from_memory
 
-    assert copy(1, 1, "whole") == n - (4 << 20)  # all from memory
-    helper.take_back(2)
-    assert copy(2, 1, "taken-before") == 0  # a take-back that came first: the file only
-    box = {}
-    racer = threading.Thread(target=lambda: box.update(out=copy(3, 1, "raced")))
-    racer.start()
-    helper.take_back(3)  # at any point of the copy: after this the buffer may change
-    data.fill_(0)
-    racer.join()
-    assert "out" in box and 0 <= box["out"] < n
+    try:
+        assert copy(1, 1, "whole") == total  # all from memory
+        helper.take_back(2)
+        assert copy(2, 1, "taken-before") == 0  # a take-back that came first: the file only
+        box = {}
+        racer = threading.Thread(target=lambda: box.update(out=copy(3, 1, "raced")))
+        racer.start()
+        assert _wait_for_size(str(tmp_path / "raced"), files.CHUNK)  # under way, from memory
+        helper.take_back(3)  # after this the buffer may change
+        data.fill_(0)
+        racer.join()
+        assert 0 < box["out"] < total  # both sources; the bytes are the original ones
+    finally:
+        helper.close()
 
 
 def test_a_part_that_differs_from_its_manifest_fails_the_helpers_copy(helper, tmp_path):
@@ -254,5 +261,36 @@ def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_o
         assert ckpt.stats.saves == 4 and ckpt.stats.drains == 2
         assert ckpt.stats.failed_saves == ckpt.stats.failed_drains == 0
         assert ckpt.helper is None  # the fourth save went on in this process
+    finally:
+        ckpt.close()
+
+
+def test_a_helper_that_dies_mid_write_fails_that_save_alone(one_rank, tmp_path, monkeypatch):
+    """Killed while it waits for step 2's bytes (slow_staging holds the copy back): that
+    save fails, logged and counted, and is not committed; the next save is written by
+    the training process, and the older step stays."""
+    monkeypatch.setenv(faults.ENV, "slow_staging@2")
+    state = _state(1)
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
+                     local_interval=1, pfs_interval=1000, local_keep=5, pfs_keep=2, rank=0, world_size=1,
+                     first_on_node=True, job_id="J", helper_process=True)
+    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    helper = ckpt.helper
+    try:
+        ckpt.save(1)
+        ckpt.flush()
+        ckpt.save(2)
+        threading.Event().wait(0.5)  # the writer's request is in; the copy waits 1.5 s
+        helper.proc.kill()
+        ckpt.wait_for_staging()
+        ckpt.flush()
+        assert ckpt.stats.failed_saves == 1 and ckpt.local.committed_steps() == [1]
+        state.update(_state(3))
+        ckpt.save(3)
+        ckpt.flush()
+        assert ckpt.helper is None and ckpt.local.committed_steps() == [1, 3]
+        back = _saved(ckpt, 3)
+        assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+        assert helper.files == 1 and not helper.alive
     finally:
         ckpt.close()

@@ -5,6 +5,7 @@ One uninterrupted reference run; every other run is compared with it bit for bit
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -145,20 +146,27 @@ def test_local_steps_of_another_layout_and_no_pfs_step_refuse_to_start_over(refe
     assert not losses(work, "run2.jsonl")  # not one step trained from scratch
 
 
-def _helpers_running() -> list[int]:
-    """Byte helper processes alive on this machine (none once their ranks are gone)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            continue
-        if b"titan_ckpt_plus.tiers.byte_helper" in cmd and not zombie:
-            out.append(int(pid))
-    return out
+def _helpers_left(work: Path, wait_s: float = 5.0) -> list[int]:
+    """The byte helper processes of the runs in `work` (their environment names its loss
+    log) still alive after `wait_s`: none once their ranks are gone (PR_SET_PDEATHSIG)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read()
+                with open(f"/proc/{pid}/stat") as f:
+                    zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                continue
+            if b"titan_ckpt_plus.tiers.byte_helper" in cmd and str(work).encode() in env and not zombie:
+                left.append(int(pid))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def test_with_helper_processes_a_kill_in_a_helpers_write_resumes_bit_exact(reference, tmp_path):
@@ -171,10 +179,10 @@ def test_with_helper_processes_a_kill_in_a_helpers_write_resumes_bit_exact(refer
     commits = ckpt_events(tmp_path, "local_commit")
     assert [e["step"] for e in commits] == [2, 4, 6] and all(e["by_helper"] for e in commits)
     assert [(e["step"], e["by_helper"]) for e in ckpt_events(tmp_path, "pfs_commit")] == [(4, True)]
-    assert _helpers_running() == []
+    assert _helpers_left(tmp_path) == []
     ok(torchrun(tmp_path, "--checkpoint.helper_process", loss_log="run2.jsonl"))
     rec = _recovery(tmp_path)
     assert (rec["tier"], rec["step"]) == ("local", 6)
     _same_losses_from(tmp_path, reference, 7, "run2.jsonl")
     assert [(e["step"], e["by_helper"]) for e in ckpt_events(tmp_path, "pfs_commit")][1:] == [(8, True), (12, True)]
-    assert _helpers_running() == []
+    assert _helpers_left(tmp_path) == []

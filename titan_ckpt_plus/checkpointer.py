@@ -211,6 +211,7 @@ class TieredCheckpointer:
         if self.helper is not None and not self.helper.alive:
             log.warning(f"[titan_ckpt_plus] the byte helper process ended (exit code "
                         f"{self.helper.proc.poll()}); the local writes go on in the training process")
+            self.helper.close()
             self.helper = None
         return self.helper is not None
 

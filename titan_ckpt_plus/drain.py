@@ -76,21 +76,11 @@ class PartSource:
         known = self.crc if self.verbatim(spans) else None
         if self.helper is not None and self.helper.alive:
             lent = self.staged is not None and not self.staged.taken_back
-            out = self.helper.copy(self.step, self.staged.generation if lent else None, path, reuse, spans,
-                                   tail, self.path, self.expect, known)
+            entry, _ = self.helper.copy(self.step, self.staged.generation if lent else None, path, reuse,
+                                        spans, tail, self.path, self.expect, known)
             self.by_helper = True
-            return {"size": out["size"], files.SUM: out[files.SUM]}  # the manifest's entry
-        with files.Appender(path, reuse) as out:
-            with contextlib.closing(self.pieces(spans)) as pieces:
-                for _, piece in pieces:
-                    out.write(piece, crc=known is None)
-            if out.size != sum(b - a for a, b in spans):
-                raise files.CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
-            if known is not None:
-                out.crc = known
-            if tail:
-                out.write(tail)
-        return {"size": out.size, files.SUM: out.crc}
+            return entry
+        return files.copy_spans(path, reuse, spans, self.pieces(spans), tail, known)
 
     def verbatim(self, spans: list) -> bool:
         """Whether copying `spans` copies the whole part, whose CRC-32C is known."""
@@ -103,22 +93,12 @@ class PartSource:
         resume = 0
         if self.staged is not None:
             with contextlib.nullcontext() if self.verbatim(spans) else self.yielding():
-                resume = yield from self._from_memory(spans)
+                resume = yield from files.memory_pieces(self.staged.data, spans, self.staged.lock,
+                                                        lambda: self.staged.taken_back)
             if resume is None:
                 return
         with self.yielding():
             yield from files.read_spans(self.path, self.expect, spans, resume=resume)
-
-    def _from_memory(self, spans: list):
-        """The staged pieces, the lock held while the consumer writes each; returns
-        where the file takes over once the loan is taken back, None if it never is."""
-        for a, b in spans:
-            for p in range(a, b, files.CHUNK):
-                with self.staged.lock:
-                    if self.staged.taken_back:
-                        return p
-                    yield p, self.staged.data[p : min(p + files.CHUNK, b)]
-        return None
 
 
 class PfsDrain:
@@ -196,6 +176,7 @@ class PfsDrain:
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] PFS retention failed: {e!r}")
         clock.mark("purge")
-        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes, by_helper=bool(source and source.by_helper),
+        self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
+                           by_helper=bool(source and source.by_helper),
                            background_write_s=self.last_seconds, cpu_s=time.thread_time() - cpu0,
                            drain_lag_steps=self.stats.last_committed - job.step, phases=clock.phases)

@@ -11,7 +11,9 @@ eio_pfs_write (step N's PFS drain fails with an I/O error); slow_staging (step N
 staging copy starts 1.5 s late, so the next step's forward/backward runs meanwhile: a
 copy not ordered before the parameters change is caught); slow_step (step N's save call
 returns 1.5 s late, before a kill_after_step of the same step: the background work gets
-that far ahead, whatever the machine's load); sigterm_after_step (SIGTERM
+that far ahead, whatever the machine's load); slow_pfs_copy (each
+piece of step N's PFS copy by the byte helper 0.1 s late: a take-back lands mid-copy);
+sigterm_after_step (SIGTERM
 to the launcher, as a scheduler's preemption notice: torchrun forwards it to every
 worker). `:R` limits it to global rank R. Only the first incarnation fires
 (TORCHELASTIC_RESTART_COUNT 0), so torchrun restarts run clean.

@@ -401,17 +401,19 @@ class HostBuffer:
                 log.info(f"[titan_ckpt_plus] staging buffer: {nbytes} bytes of state, {pinned} bytes pinned "
                          f"({'in place' if unpin else 'by torch'}; is_pinned={data.is_pinned()})")
             self.release()
-            if self.fd >= 0:
-                os.close(self.fd)  # the mapping stays while views of it live
             self.data, self._unpin, self.fd = data, unpin, fd
             self.generation += 1
         return self.data
 
     def release(self) -> None:
-        """Unpin the buffer (its memory goes when its last view does)."""
+        """Unpin the buffer and close its memfd (its memory goes when its last view
+        does; the helper holds its own mapping)."""
         if self._unpin is not None:
             self._unpin()
             self._unpin = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],
                 progress: StagingProgress | None = None, copy: Copy | None = None) -> None:

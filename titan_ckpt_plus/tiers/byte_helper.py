@@ -11,14 +11,15 @@ of the part's spans to the PFS, from the buffer while the drain holds it, else f
 the local file, checked as it is read. O_DIRECT where it can, fsync'd. One request and
 one reply per file; the copy thread sends a few bytes per copy group.
 
-The helper imports no torch (this module, files, faults, priority: about 17 MiB of
-RSS against 0.27 GB for one that imports torch). It dies with its rank
-(PR_SET_PDEATHSIG), and a kill injected in its write kills the rank too, as a node's
-failure would.
+The helper imports no torch (this module, files, faults, priority: about 18 MiB of
+RSS, 10 MiB of it private, against 0.27 GB for one that imports torch). It dies with
+its rank (PR_SET_PDEATHSIG), and a kill injected in its write kills the rank too, as a
+node's failure would.
 
 Three channels (AF_UNIX SOCK_SEQPACKET pairs), one per thread of the rank that talks
-to it, each message a pickled tuple; the helper keys what it gets by step, so the
-order between channels does not matter:
+to it and one thread of the helper each, so a slow PFS never holds up a local write or
+a take-back. Each message is a pickled tuple; what the helper is told is keyed by step,
+so the order between channels does not matter:
   copy   -> ("buffer", gen, size) + memfd   the staging buffer, generation `gen`
          -> ("progress", step, upto)        step's first `upto` bytes staged (None: failed)
          -> ("take_back", step)             the buffer is about to be overwritten
@@ -29,12 +30,12 @@ order between channels does not matter:
          <- the same replies
 """
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
 import pickle
-import select
 import signal
 import socket
 import subprocess
@@ -79,22 +80,30 @@ def _recv(sock: socket.socket) -> tuple[tuple | None, list]:
 class ByteHelper:
     """The training process's side: starts the helper and talks to it, each thread on
     its own channel (the training and copy threads on "copy", the writer on "write",
-    the drain on "drain"); a SOCK_SEQPACKET message is sent whole or not at all."""
+    the drain on "drain"). A message sent in part, or a reply for another step, leaves
+    a channel out of step: the helper is then stopped and counts as gone. Made on the
+    training thread: PR_SET_PDEATHSIG acts when the thread that started it ends."""
 
     def __init__(self, nice: int = 0) -> None:
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in CHANNELS]
         theirs = [b.fileno() for _, b in pairs]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(os.getpid()), str(nice), *map(str, theirs)],
-            pass_fds=theirs, stdin=subprocess.DEVNULL)
-        for _, b in pairs:
-            b.close()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(os.getpid()), str(nice), *map(str, theirs)],
+                pass_fds=theirs, stdin=subprocess.DEVNULL)
+        finally:
+            for _, b in pairs:
+                b.close()
         self._socks = {name: a for name, (a, _) in zip(CHANNELS, pairs)}
         self._locks = {name: threading.Lock() for name in CHANNELS}
         self._shared: tuple | None = None
         self._open = True
         self.files = 0  # files it wrote
-        self._expect("copy", ("ready",))
+        try:
+            self._expect("copy", ("ready",), os.getpid())
+        except OSError:
+            self.close()
+            raise
 
     @property
     def alive(self) -> bool:
@@ -120,233 +129,187 @@ class ByteHelper:
 
     def take_back(self, step: int) -> None:
         """Before the buffer is written again: once this returns, the helper reads
-        none of step's bytes from it (a copy goes on from the local file)."""
+        none of step's bytes from it (a copy goes on from the local file). Waits for
+        one piece from memory at most."""
         try:
             self._call("copy", ("take_back", step))
-            self._expect("copy", ("taken",))
+            self._expect("copy", ("taken",), step)
         except OSError:  # gone: it reads nothing any more
             pass
 
-    def write(self, step: int, gen: int, tmp: str, reuse: str | None, size: int) -> dict:
+    def write(self, step: int, gen: int, tmp: str, reuse: str | None, size: int) -> None:
         """Write step's first `size` staged bytes to `tmp`, durably, as they are
-        staged; returns its size and CRC-32C. Raises OSError as an in-process write
-        would (ENOSPC, EIO), or EPIPE if the helper is gone."""
-        return self._request("write", ("write", step, gen, tmp, reuse, size))
+        staged. Raises OSError as an in-process write would (ENOSPC, EIO), or EPIPE
+        if the helper is gone."""
+        self._request("write", ("write", step, gen, tmp, reuse, size))
 
     def copy(self, step: int, gen: int | None, path: str, reuse: str | None, spans: list, tail: bytes,
-             file: str | None, expect: dict | None, crc: int | None) -> dict:
+             file: str | None, expect: dict | None, crc: int | None) -> tuple[dict, int]:
         """Write `spans` of step's part, then `tail`, to `path`, durably: from buffer
         generation `gen` until taken back (None: not at all), then from `file`, checked
         against `expect` as it is read (CorruptCheckpoint if it differs). `crc`: the
-        spans' CRC-32C if known (else computed). Returns the file's size and CRC-32C."""
+        spans' CRC-32C if known (else computed). Returns the file's manifest entry
+        (size, CRC-32C) and how many of its bytes came from the buffer."""
         return self._request("drain", ("copy", step, gen, path, reuse, spans, tail, file, expect, crc))
 
     def close(self) -> None:
+        """Stop the helper: EOF on its channels (shutdown reaches it even where a
+        forked child, a dataloader worker, still holds our ends), killed if it lingers."""
         if self._open:
             self._open = False
             for sock in self._socks.values():
-                sock.close()  # the helper exits when it reads EOF
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
 
-    def _request(self, channel: str, msg: tuple) -> dict:
+    def _request(self, channel: str, msg: tuple) -> tuple[dict, int]:
         self._call(channel, msg)
-        reply = self._expect(channel, ("done", "error"))
+        reply = self._expect(channel, ("done", "error"), msg[1])
         if reply[0] == "error":
             _, _, kind, code, text = reply
             raise files.CorruptCheckpoint(text) if kind == "corrupt" else OSError(code, text)
         self.files += 1
-        return {"size": reply[2], files.SUM: reply[3], "from_memory": reply[4]}
+        return {"size": reply[2], files.SUM: reply[3]}, reply[4]
 
     def _call(self, channel: str, msg: tuple, fds: tuple = ()) -> None:
         try:
             with self._locks[channel]:
                 _send(self._socks[channel], msg, fds)
-        except (ConnectionError, OSError) as e:
-            if isinstance(e, ConnectionError) or not self._open:  # EPIPE, or closed here
-                self._gone(e)
-            raise
+        except OSError as e:  # gone, or a message sent in part: the channel is out of step
+            self._gone(e)
 
-    def _expect(self, channel: str, kinds: tuple) -> tuple:
+    def _expect(self, channel: str, kinds, step: int) -> tuple:
+        """The channel's next reply, which must be one of `kinds` and for `step`."""
         try:
             reply, _ = _recv(self._socks[channel])
-        except ConnectionError as e:
+        except OSError as e:
             self._gone(e)
         if reply is None:
             self._gone(None)
-        if reply[0] not in kinds:
-            raise RuntimeError(f"byte helper: {reply!r} where {kinds} was expected")
+        if reply[0] not in kinds or reply[1] != step:
+            self._gone(RuntimeError(f"{reply[:2]!r} where {kinds} for {step} was expected"))
         return reply
 
-    def _gone(self, e: OSError | None):
-        self._open = False
+    def _gone(self, e: Exception | None):
+        code = self.proc.poll()
+        self.close()  # a helper out of step with us is stopped, not trusted
         raise OSError(errno.EPIPE, f"the byte helper process (pid {self.proc.pid}) has ended "
-                                   f"(exit code {self.proc.poll()}; {e!r})")
+                                   f"(exit code {code}; {e!r})")
 
 
 # ---- the helper process ----------------------------------------------------------
 
 
-class _LocalWrite:
-    """A local data file, written piece by piece as the staging copy stages them."""
-
-    def __init__(self, helper: "_Helper", sock, step: int, gen: int, tmp: str, reuse: str | None,
-                 size: int) -> None:
-        self.helper, self.sock, self.step, self.gen = helper, sock, step, gen
-        self.pieces = files._chunks(size)
-        self.out = files.Appender(tmp, reuse)
-        self.tmp, self.size = tmp, size
-
-    def ready(self) -> bool:
-        staged = self.helper.staged.get(self.step, 0)
-        return staged is None or not self.pieces or self.pieces[0][1] <= staged
-
-    def piece(self) -> dict | None:
-        """Write the next piece; the file's entry once it is all written and durable."""
-        if self.helper.staged.get(self.step, 0) is None:
-            raise RuntimeError("staging failed before these bytes were copied")
-        if self.pieces:
-            start, end = self.pieces.pop(0)
-            self.out.write(self.helper.view(self.gen)[start:end], crc=False)
-            faults.maybe_kill("kill_during_local_write", self.step, pid=os.getppid())
-            faults.maybe_fail("enospc_local_write", self.step)
-            return None
-        self.out.__exit__(None, None, None)
-        return {"size": self.size, files.SUM: None, "from_memory": self.size}  # CRC: the copy thread's
-
-    def abandon(self) -> None:
-        self.out.__exit__(RuntimeError, None, None)
-        try:
-            os.remove(self.tmp)
-        except OSError:
-            pass
-
-
-class _SpanCopy:
-    """A drain's copy of a part's spans: from the shared buffer until it is taken
-    back, then from the local file (read whole, checked at its end)."""
-
-    def __init__(self, helper: "_Helper", sock, step: int, gen: int | None, path: str, reuse: str | None,
-                 spans: list, tail: bytes, file: str | None, expect: dict | None, crc: int | None) -> None:
-        self.helper, self.sock, self.step, self.gen = helper, sock, step, gen
-        self.tail, self.crc, self.total = tail, crc, sum(b - a for a, b in spans)
-        self.out = files.Appender(path, reuse)
-        self.pieces = self._pieces(spans, file, expect)
-        self.from_memory = 0
-
-    def ready(self) -> bool:
-        return True
-
-    def _pieces(self, spans: list, file: str | None, expect: dict | None):
-        resume = 0
-        if self.gen is not None:
-            resume = yield from self._from_memory(spans)
-            if resume is None:
-                return
-        if file is None:
-            raise RuntimeError(f"step {self.step}'s staged bytes were taken back and it has no local file")
-        yield from files.read_spans(file, expect, spans, resume=resume)
-
-    def _from_memory(self, spans: list):
-        for a, b in spans:
-            for p in range(a, b, files.CHUNK):
-                view = self.helper.view(self.gen)
-                if self.step in self.helper.taken or view is None:
-                    return p
-                self.from_memory += min(p + files.CHUNK, b) - p
-                yield p, view[p : min(p + files.CHUNK, b)]
-        return None
-
-    def piece(self) -> dict | None:
-        piece = next(self.pieces, None)
-        if piece is not None:
-            self.out.write(piece[1], crc=self.crc is None)
-            return None
-        if self.out.size != self.total:
-            raise files.CorruptCheckpoint(f"the part ends before its frames do ({self.out.size} bytes copied)")
-        if self.crc is not None:
-            self.out.crc = self.crc
-        if self.tail:
-            self.out.write(self.tail)
-        self.out.__exit__(None, None, None)
-        return {"size": self.out.size, files.SUM: self.out.crc, "from_memory": self.from_memory}
-
-    def abandon(self) -> None:
-        self.pieces.close()
-        self.out.__exit__(RuntimeError, None, None)
-
-
 class _Helper:
-    """The helper's loop: messages first, then one piece of each file in flight, so a
-    local write and a drain's copy go on side by side."""
+    """A thread per channel: the copy channel's (buffers, progress, take-backs: never
+    blocked by a write), the writer's and the drain's (one file each at a time)."""
 
-    def __init__(self, socks: list[socket.socket]) -> None:
+    def __init__(self, socks: list[socket.socket], parent: int) -> None:
         self.socks = dict(zip(CHANNELS, socks))
+        self.parent = parent  # the rank: what a kill fault kills
+        self.cv = threading.Condition()  # over buffers, staged, taken
         self.buffers: dict[int, mmap.mmap] = {}  # generation -> mapping (the newest two)
         self.staged: dict[int, int | None] = {}  # step -> bytes staged (None: failed)
         self.taken: set[int] = set()  # steps whose bytes the buffer no longer holds
-        self.jobs: list = []
-
-    def view(self, gen: int) -> memoryview | None:
-        buf = self.buffers.get(gen)
-        return None if buf is None else memoryview(buf)
+        self.memory = threading.Lock()  # held while a piece goes from the buffer to a file
 
     def run(self) -> None:
-        _send(self.socks["copy"], ("ready",))
-        while True:
-            wait = 0 if any(j.ready() for j in self.jobs) else None
-            readable, _, _ = select.select(list(self.socks.values()), [], [], wait)
-            for sock in readable:
-                msg, fds = _recv(sock)
-                if msg is None:
-                    return  # the rank closed its end, or died
-                self.handle(sock, msg, fds)
-            for job in [j for j in self.jobs if j.ready()]:
-                self.advance(job)
+        for name, work in (("write", self.local_write), ("drain", self.span_copy)):
+            threading.Thread(target=self.serve, args=(self.socks[name], work), daemon=True).start()
+        sock = self.socks["copy"]
+        _send(sock, ("ready", self.parent))
+        while (msg := _recv(sock))[0] is not None:  # EOF: the rank closed it, or died
+            self.note(sock, *msg)
 
-    def handle(self, sock, msg: tuple, fds: list) -> None:
-        kind, step = msg[0], msg[1]
+    def note(self, sock, msg: tuple, fds: list) -> None:
+        kind, key = msg[0], msg[1]
         if kind == "buffer":
             # writable, though only read: files.address (O_DIRECT's alignment check)
             # cannot see a read-only buffer's address, and the writes went buffered
-            self.buffers[step] = mmap.mmap(fds[0], msg[2], mmap.MAP_SHARED)
+            mapping = mmap.mmap(fds[0], msg[2], mmap.MAP_SHARED)
             os.close(fds[0])
-            for old in sorted(self.buffers)[:-2]:  # a view in use keeps its mapping alive
-                del self.buffers[old]
+            with self.cv:
+                self.buffers[key] = mapping
+                for old in sorted(self.buffers)[:-2]:  # a view in use keeps its mapping alive
+                    del self.buffers[old]
         elif kind == "progress":
-            self.staged[step] = msg[2]
+            with self.cv:
+                self.staged[key] = msg[2]
+                self.cv.notify_all()
         elif kind == "take_back":
-            self.taken.add(step)
-            _send(sock, ("taken", step))
-        else:  # each thread's requests come in step order: older steps' notes are done with
-            if kind == "write":
-                self.staged = {s: n for s, n in self.staged.items() if s >= step}
-            else:
-                self.taken = {s for s in self.taken if s >= step}
+            with self.cv:
+                self.taken.add(key)
+            with self.memory:  # the piece being written from the buffer, if any, is written
+                pass
+            _send(sock, ("taken", key))
+
+    def serve(self, sock, work) -> None:
+        while (msg := _recv(sock)[0]) is not None:
+            step = msg[1]
             try:
-                self.jobs.append((_LocalWrite if kind == "write" else _SpanCopy)(self, sock, *msg[1:]))
+                entry, from_memory = work(*msg[1:])
             except Exception as e:
-                self.reply_error(sock, step, e)
+                kind = "corrupt" if isinstance(e, files.CorruptCheckpoint) else "os"
+                code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
+                _send(sock, ("error", step, kind, code, str(e)))
+            else:
+                _send(sock, ("done", step, entry["size"], entry[files.SUM], from_memory))
 
-    def advance(self, job) -> None:
+    def view(self, gen: int) -> memoryview:
+        with self.cv:
+            return memoryview(self.buffers[gen])
+
+    def wait_staged(self, step: int, upto: int) -> None:
+        with self.cv:
+            self.staged = {s: n for s, n in self.staged.items() if s >= step}  # writes come in step order
+            while (self.staged.get(step) or 0) < upto and self.staged.get(step, 0) is not None:
+                self.cv.wait()
+            if self.staged.get(step, 0) is None:
+                raise RuntimeError("staging failed before these bytes were copied")
+
+    def local_write(self, step: int, gen: int, tmp: str, reuse: str | None, size: int) -> tuple[dict, int]:
+        """The local data file, piece by piece as the copy stages it (its CRC-32C is
+        the copy thread's)."""
         try:
-            entry = job.piece()
-        except Exception as e:
-            self.jobs.remove(job)
-            job.abandon()
-            self.reply_error(job.sock, job.step, e)
-            return
-        if entry is not None:
-            self.jobs.remove(job)
-            _send(job.sock, ("done", job.step, entry["size"], entry[files.SUM], entry["from_memory"]))
+            with files.Appender(tmp, reuse) as out:
+                for start, end in files._chunks(size):
+                    self.wait_staged(step, end)
+                    out.write(self.view(gen)[start:end], crc=False)
+                    faults.maybe_kill("kill_during_local_write", step, pid=self.parent)
+                    faults.maybe_fail("enospc_local_write", step)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
+        return {"size": size, files.SUM: None}, size
 
-    @staticmethod
-    def reply_error(sock, step: int, e: Exception) -> None:
-        kind = "corrupt" if isinstance(e, files.CorruptCheckpoint) else "os"
-        code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
-        _send(sock, ("error", step, kind, code, str(e)))
+    def span_copy(self, step: int, gen: int | None, path: str, reuse: str | None, spans: list, tail: bytes,
+                  file: str | None, expect: dict | None, crc: int | None) -> tuple[dict, int]:
+        """A drain's copy: from the buffer until it is taken back, then from the local
+        file (read whole, checked at its end)."""
+        with self.cv:
+            self.taken = {s for s in self.taken if s >= step}  # drains come in step order
+        switch = [None if gen is not None else 0]  # where the file takes over; None: never
+
+        def pieces():
+            if gen is not None:
+                switch[0] = yield from files.memory_pieces(self.view(gen), spans, self.memory,
+                                                           lambda: step in self.taken)
+                if switch[0] is None:
+                    return
+            if file is None:
+                raise RuntimeError(f"step {step}'s staged bytes were taken back and it has no local file")
+            yield from files.read_spans(file, expect, spans, resume=switch[0])
+
+        entry = files.copy_spans(path, reuse, spans, pieces(), tail, crc,
+                                 on_piece=lambda: faults.maybe_delay("slow_pfs_copy", step, 0.1))
+        upto = switch[0]
+        return entry, sum(b - a if upto is None else max(0, min(b, upto) - a) for a, b in spans)
 
 
 def main(parent: int, nice: int, fds: list[int]) -> None:
@@ -356,7 +319,7 @@ def main(parent: int, nice: int, fds: list[int]) -> None:
     if os.getppid() != parent:  # the rank died before the line above
         return
     priority.lower_this_thread(nice)
-    _Helper([socket.socket(fileno=fd) for fd in fds]).run()
+    _Helper([socket.socket(fileno=fd) for fd in fds], parent).run()
 
 
 if __name__ == "__main__":

@@ -393,6 +393,41 @@ class Appender:
             os.close(self.fd)
 
 
+def memory_pieces(data, spans: list, lock, taken_back):
+    """(offset, piece) of `spans` from `data` (a buffer the next save will take back),
+    `lock` held while the consumer writes each piece; returns the offset where a
+    reader must go on from elsewhere once `taken_back()`, None if it never was. The
+    take-back sets its flag, then takes `lock`: it waits for one piece at most."""
+    for a, b in spans:
+        for p in range(a, b, CHUNK):
+            with lock:
+                if taken_back():
+                    return p
+                yield p, data[p : min(p + CHUNK, b)]
+    return None
+
+
+def copy_spans(path: str, reuse: str | None, spans: list, pieces, tail: bytes, known_crc: int | None,
+               on_piece=None) -> dict:
+    """Write `pieces` ((offset, piece) covering `spans` in order), then `tail`, to
+    `path` durably (an Appender: O_DIRECT for the bulk, fsync'd); returns its size and
+    CRC-32C. `known_crc`: the spans' CRC-32C if known (none computed then);
+    `on_piece()` runs after each piece (fault injection)."""
+    with Appender(path, reuse) as out:
+        with contextlib.closing(pieces):
+            for _, piece in pieces:
+                out.write(piece, crc=known_crc is None)
+                if on_piece:
+                    on_piece()
+        if out.size != sum(b - a for a, b in spans):
+            raise CorruptCheckpoint(f"the part ends before its frames do ({out.size} bytes copied)")
+        if known_crc is not None:
+            out.crc = known_crc
+        if tail:
+            out.write(tail)
+    return {"size": out.size, SUM: out.crc}
+
+
 def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:
     """One file through a DurableBatch; returns its manifest entry."""
     with DurableBatch() as batch:
