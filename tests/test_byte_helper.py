@@ -219,6 +219,14 @@ def _state(step: int) -> dict:
             "train_state": {"step": step}}
 
 
+def _engine(tmp_path, state: dict, pfs_interval: int) -> TieredCheckpointer:
+    """One rank saving every step, its bytes moved by a byte helper."""
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
+                     local_interval=1, pfs_interval=pfs_interval, local_keep=5, pfs_keep=3, rank=0,
+                     world_size=1, first_on_node=True, job_id="J", helper_process=True)
+    return TieredCheckpointer(s, lambda: state, EventLog(None))
+
+
 def _saved(ckpt: TieredCheckpointer, step: int) -> dict:
     layout, data, _ = ckpt.local.read_part(step)  # checked against the manifest's CRC-32C
     return staging.rebuild(staging.StateLayout.from_bytes(layout), torch.frombuffer(data, dtype=torch.uint8))
@@ -231,10 +239,7 @@ def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_o
     helper killed between saves leaves the next save and drain to the training
     process, committed all the same."""
     state = {}
-    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
-                     local_interval=1, pfs_interval=2, local_keep=5, pfs_keep=3, rank=0, world_size=1,
-                     first_on_node=True, job_id="J", helper_process=True)
-    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    ckpt = _engine(tmp_path, state, pfs_interval=2)
     helper = ckpt.helper
     assert helper is not None and ckpt.buffer.shared
     try:
@@ -271,10 +276,7 @@ def test_a_helper_that_dies_mid_write_fails_that_save_alone(one_rank, tmp_path, 
     the training process, and the older step stays."""
     monkeypatch.setenv(faults.ENV, "slow_staging@2")
     state = _state(1)
-    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
-                     local_interval=1, pfs_interval=1000, local_keep=5, pfs_keep=2, rank=0, world_size=1,
-                     first_on_node=True, job_id="J", helper_process=True)
-    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    ckpt = _engine(tmp_path, state, pfs_interval=1000)
     helper = ckpt.helper
     try:
         ckpt.save(1)

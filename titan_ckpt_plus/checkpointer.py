@@ -262,7 +262,7 @@ class TieredCheckpointer:
             job.layout, tensors, job.specs = staging.plan_layout(captured)
             self.buffer.ensure(job.layout.total_bytes)
             job.generation = self.buffer.generation
-            if job.helper is not None:
+            if job.helper is not None:  # a new buffer (the state grew) goes to the helper once
                 job.helper.share(job.generation, self.buffer.fd, self.buffer.data.numel())
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
