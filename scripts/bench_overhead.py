@@ -935,18 +935,22 @@ def plugin_memory_rows(base: Path) -> list[tuple]:
     return rows
 
 
-def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
+# the launch-bound ways: (nice, SCHED_IDLE, the whole save + drain in another process, helper_process)
+LAUNCH_WAYS = {"nice0": (0, False, False, False), "nice10": (10, False, False, False),
+               "idle": (0, True, False, False), "helper": (0, True, False, True), "control": (0, True, True, False)}
+
+
+def launch_bound_rows(nbytes: int, base: Path, names: list[str] = list(LAUNCH_WAYS),
+                      reps: int = LAUNCH_REPS) -> list[tuple]:
     """The launch-bound target at nice 0, nice 10, in SCHED_IDLE, and in SCHED_IDLE with
     helper_process (the bytes moved by the rank's byte helper), and the SCHED_IDLE save +
-    drain whole in a helper process as a control: the ways round-robin, LAUNCH_REPS
-    times, the median of each: one pass can be 20 points off the next (the machine's
-    speed moves within seconds)."""
-    # (nice, SCHED_IDLE, the whole save + drain in another process, helper_process)
-    ways = ((0, False, False, False), (10, False, False, False), (0, True, False, False),
-            (0, True, False, True), (0, True, True, False))
+    drain whole in a helper process as a control (`names` of LAUNCH_WAYS): the ways
+    round-robin, `reps` times, the median of each and its quartiles: one pass can be 20
+    points off the next (the machine's speed moves within seconds)."""
+    ways = [LAUNCH_WAYS[n] for n in names]
     slows: dict = {w: [] for w in ways}
     sleeps: dict = {w: [] for w in ways if w[1]}  # the SCHED_IDLE ways'
-    for rep in range(LAUNCH_REPS):
+    for rep in range(reps):
         for way in ways:
             nice, idle, helper, byte_helper = way
             folder = base / f"launch-{nice}-{idle}-{helper}-{byte_helper}-{rep}"
@@ -955,9 +959,10 @@ def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
             slows[way].append(lb["during_s"] / lb["alone_s"] - 1)
             if idle:
                 sleeps[way].append((lb["sleeps"], lb["asleep"]))
+    idle_ways = {LAUNCH_WAYS["idle"]: "in this process", LAUNCH_WAYS["helper"]: "with helper_process",
+                 LAUNCH_WAYS["control"]: "in a helper process"}
     rows = [("launch-bound loop: its thread's waits for the GIL (the times it slept) per save + drain, and "
-             "its share of time asleep, the SCHED_IDLE save + drain in this process / with helper_process / "
-             "in a helper process",
+             "its share of time asleep, the SCHED_IDLE save + drain " + " / ".join(idle_ways[w] for w in sleeps),
              " / ".join(f"{statistics.median(n for n, _ in got):.0f} waits, "
                         f"{statistics.median(a for _, a in got):.1%} asleep" for got in sleeps.values()),
              "", None)]
@@ -968,8 +973,10 @@ def launch_bound_rows(nbytes: int, base: Path) -> list[tuple]:
             how += "; helper_process = true: its bytes moved by the rank's byte helper"
         what = ("the same save + drain in a helper process (a control: what a helper process leaves; "
                 if helper else "a concurrent save + drain (")
+        q1, _, q3 = statistics.quantiles(got, n=4) if len(got) > 1 else (slow, slow, slow)
         rows.append((f"launch-bound loop slowed by {what}100M state, {how})",
-                     f"{slow:+.1%} (median of {', '.join(f'{g:+.1%}' for g in got)})",
+                     f"{slow:+.1%} (median of {', '.join(f'{g:+.1%}' for g in got)}; quartiles {q1:+.1%} "
+                     f"to {q3:+.1%})",
                      *(("", None) if helper else ("<= 5%", slow <= 0.05))))
     return rows
 
@@ -1000,6 +1007,10 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--launch-bound-only", action="store_true",
                     help="only the launch-bound rows, with 100M's state per rank, printed")
+    ap.add_argument("--launch-ways", default=",".join(LAUNCH_WAYS),
+                    help=f"with --launch-bound-only: which ways, of {','.join(LAUNCH_WAYS)}")
+    ap.add_argument("--launch-reps", type=int, default=LAUNCH_REPS,
+                    help="with --launch-bound-only: rounds of the ways")
     ap.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --update writes")
     ap.add_argument("--memory-only", action="store_true",
                     help="only the plugin's own host memory, no training (plugin_memory), in its own section")
@@ -1020,7 +1031,8 @@ def main() -> None:
         return
     if args.launch_bound_only:
         base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-        for what, got, want, ok in launch_bound_rows(LAUNCH_BOUND_BYTES, base):
+        rows = launch_bound_rows(LAUNCH_BOUND_BYTES, base, args.launch_ways.split(","), args.launch_reps)
+        for what, got, want, ok in rows:
             print(f"| {what} | {got} | {want} | {_verdict(ok)} |")
         shutil.rmtree(base, ignore_errors=True)
         return

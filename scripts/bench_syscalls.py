@@ -7,8 +7,8 @@ takes it back after, and each take-back may wait for the training thread.
 One process, world size 1, a rank's share of the flavor's state as 2 FSDP ranks hold
 it (model and AdamW moments, the small items), a local save every step and a PFS drain
 every second one, after 4 saves of warm-up (the layout's first save and drain plan it).
-With --helper-process ([checkpoint] helper_process) the byte helper's own calls are a row
-of their own (a save's local file and a drain's copy, per save). Needs strace.
+With --helper-process ([checkpoint] helper_process) the byte helper's own threads are
+rows of their own (its copy channel's, its local tier's per save, its PFS copy's per drain). Needs strace.
 """
 
 import argparse
@@ -24,7 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MARK = "bench-syscalls-start"  # strace shows a write's first 32 bytes
 THREADS = {"ckpt-local-writ": "local writer (a save)", "ckpt-pfs-draine": "PFS drain (a drain)",
-           "ckpt-staging-co": "staging copy (a save)", "ckpt-byte-helpe": "byte helper process (a save)"}
+           "ckpt-staging-co": "staging copy (a save)",
+           "ckpt-byte-helpe": "byte helper process: the copy's channel (a save)",
+           "ckpt-helper-wri": "byte helper process: the local tier (a save)",
+           "ckpt-helper-dra": "byte helper process: the PFS copy (a drain)"}
 
 
 def worker(flavor: str, saves: int, folder: Path, helper_process: bool) -> None:

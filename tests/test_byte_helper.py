@@ -1,6 +1,7 @@
 """[checkpoint] helper_process: the local data file written by a torch-free helper
 process from the shared staging buffer (tiers/byte_helper.py)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -11,12 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
 from titan_ckpt_plus import faults, staging
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper
+from titan_ckpt_plus.tiers.local import LocalTier
+from titan_ckpt_plus.tiers.pfs import PfsTier
+from titan_ckpt_plus.tiers.pfs_folder import MANIFEST, NeedsTorch, PfsFolder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,6 +31,13 @@ def helper():
     h = ByteHelper()
     yield h
     h.close()
+
+
+def _tier(tmp_path, helper: ByteHelper, first_on_node: bool = True) -> LocalTier:
+    """A rank's local tier, attached to the helper: the helper runs a copy of it."""
+    tier = LocalTier(str(tmp_path / "local"), 0, 1, first_on_node, 2, "J")
+    helper.attach(tier)
+    return tier
 
 
 def _shared(nbytes: int, helper: ByteHelper) -> torch.Tensor:
@@ -38,9 +50,18 @@ def _shared(nbytes: int, helper: ByteHelper) -> torch.Tensor:
 
 def _progress(helper: ByteHelper, step: int, data: torch.Tensor) -> staging.StagingProgress:
     p = staging.StagingProgress()
-    p.listener = lambda upto: helper.progress(step, upto)
+    p.listener = helper.progress(step, data.numel())
     p.checksum(data.numpy())
     return p
+
+
+def _describe(step: int, before=None):
+    """What the writer's _describe gives: the layout's bytes, the manifest's fields."""
+    def describe():
+        if before is not None:
+            before()
+        return f"layout of {step}".encode(), {"fingerprint": f"fp{step}"}
+    return describe
 
 
 def _wait_for_size(path: str, size: int, timeout_s: float = 10.0) -> bool:
@@ -51,13 +72,21 @@ def _wait_for_size(path: str, size: int, timeout_s: float = 10.0) -> bool:
     return False
 
 
-def test_the_helper_writes_what_is_staged_as_it_is_staged_and_the_batch_names_it(helper, tmp_path):
+def _rank_files(tier: LocalTier, step: int) -> list[str]:
+    d = tier.step_dir(step)
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def test_the_helper_writes_the_part_as_it_is_staged_and_names_it_once_described(helper, tmp_path):
     """The write is asked for before any byte is staged (the writer thread starts with
-    the copy): the helper writes piece by piece as progress comes, and the file holds
-    exactly the staged bytes, fsync'd, under the batch's name only once it is done."""
+    the copy): the helper writes piece by piece as progress comes, then the layout
+    and manifest it is sent; the part holds exactly the staged bytes, checked against
+    a manifest whose CRC-32C is the copy's, its files named only once all are durable."""
     n = (21 << 20) + 123  # a ragged tail: its last partial page goes through the page cache
+    tier = _tier(tmp_path, helper)
     data = _shared(n, helper)
     p = _progress(helper, 7, data)
+    tmp = tier._part(7, "data") + f".tmp{helper.proc.pid}"  # files.temporary, in the helper
     box = {}
 
     def copy():
@@ -66,36 +95,78 @@ def test_the_helper_writes_what_is_staged_as_it_is_staged_and_the_batch_names_it
             data[start:end] = torch.randint(0, 256, (end - start,), dtype=torch.uint8)
             p.advance(end)
             if start == 3 << 20:  # its first piece (4 MiB) is staged: it is on disk before the rest is
-                box["ahead"] = _wait_for_size(box["tmp"], files.FIRST_CHUNK)
+                box["ahead"] = _wait_for_size(tmp, files.FIRST_CHUNK)
+                box["named_early"] = [f for f in _rank_files(tier, 7) if ".tmp" not in f]
 
-    with files.DurableBatch() as batch:
-        box["tmp"] = tmp = batch.adopt(str(tmp_path / "p.data"))
-        copier = threading.Thread(target=copy)
-        copier.start()
-        helper.write(7, 1, tmp, None, n)
-        copier.join()
-        assert box["ahead"] and not os.path.exists(tmp_path / "p.data")
-    size, crc = files.checksum_file(str(tmp_path / "p.data"))
-    assert size == n and crc == p.crc == files.checksum(data.numpy())
-    assert (tmp_path / "p.data").read_bytes() == data.numpy().tobytes()
+    copier = threading.Thread(target=copy)
+    copier.start()
+    raw = helper.write_part(7, 1, n, _describe(7, before=copier.join))
+    assert box["ahead"] and box["named_early"] == []
+    manifest = json.loads(raw)
+    assert manifest["files"]["data"] == {"size": n, files.SUM: p.crc} and manifest["fingerprint"] == "fp7"
+    assert manifest == tier.manifest(7) and helper.served == {"part": 1}
+    layout, back, _ = tier.read_part(7)  # checked against the manifest
+    assert layout == b"layout of 7" and bytes(back) == data.numpy().tobytes()
 
 
-def test_a_failed_copy_or_write_fails_the_request_leaves_no_file_and_the_helper_serves_on(
-        helper, tmp_path, monkeypatch):
+def test_a_failed_copy_write_or_description_fails_the_request_leaves_no_file_and_the_helper_serves_on(
+        helper, tmp_path):
     n = 9 << 20
+    tier = _tier(tmp_path, helper)
     data = _shared(n, helper)
     p = _progress(helper, 3, data)
     p.advance(4 << 20)
     p.fail()
     with pytest.raises(OSError, match="staging failed"):
-        with files.DurableBatch() as batch:
-            helper.write(3, 1, batch.adopt(str(tmp_path / "a.data")), None, n)
-    assert os.listdir(tmp_path) == []
-    p = _progress(helper, 4, data)
+        helper.write_part(3, 1, n, _describe(3))
+    assert _rank_files(tier, 3) == []
+
+    def broken():
+        raise RuntimeError("staging failed")
+
+    _progress(helper, 4, data).advance(n)
+    with pytest.raises(RuntimeError, match="staging failed"):  # the writer's own error, the helper in step
+        helper.write_part(4, 1, n, broken)
+    assert _rank_files(tier, 4) == [] and helper.alive
+    p = _progress(helper, 5, data)
     p.advance(n)
-    with files.DurableBatch() as batch:
-        helper.write(4, 1, batch.adopt(str(tmp_path / "b.data")), None, n)
-    assert files.checksum_file(str(tmp_path / "b.data")) == (n, p.crc)
+    helper.write_part(5, 1, n, _describe(5))
+    assert files.checksum_file(tier._part(5, "data")) == (n, p.crc)
+
+
+def test_the_copy_tells_the_helper_only_where_its_pieces_end(helper, monkeypatch):
+    """Progress goes at the ends of the helper's write pieces (files._chunks: 4 MiB, then
+    16 MiB), each message a system call of the copy thread, and on a failure."""
+    sent = []
+    monkeypatch.setattr(helper, "_call", lambda channel, msg, fds=(): sent.append(msg))
+    listener = helper.progress(3, 40 << 20)
+    for upto in range(1 << 20, (40 << 20) + 1, 1 << 20):
+        listener(upto, upto // 7)
+    assert sent == [("progress", 3, e << 20, (e << 20) // 7) for e in (4, 20, 36, 40)]
+    sent.clear()
+    failing = helper.progress(4, 40 << 20)
+    failing(1 << 20, 1)
+    failing(None, 0)
+    assert sent == [("progress", 4, None, 0)]
+
+
+def test_the_helper_commits_and_retains_the_local_steps(helper, tmp_path):
+    """The commit marker and retention, run by the helper's copy of the tier, are what
+    the training process's tier then reads; a call it does not serve is refused."""
+    n = 2 << 20
+    tier = _tier(tmp_path, helper)
+    data = _shared(n, helper)
+    for step in (1, 2, 3, 4):
+        _progress(helper, step, data).advance(n)
+        helper.write_part(step, 1, n, _describe(step))
+        helper.tier(step, "commit", {"world_size": 1})
+        helper.tier(step, "retain", {1}, [])  # step 1 is being drained: kept
+    assert tier.committed_steps() == [1, 3, 4]  # the newest 2 and the protected one
+    assert tier._commit_record(4)["world_size"] == 1
+    assert os.path.exists(tier._spare(0))  # step 2's data file, retired for reuse
+    with pytest.raises(OSError, match="not a request"):
+        helper.tier(5, "purge", set())
+    assert helper.alive
 
 
 def _local_file(tmp_path, data: torch.Tensor) -> tuple[str, dict]:
@@ -160,13 +231,13 @@ def test_a_full_disk_in_the_helper_is_the_writers_enospc(tmp_path, monkeypatch):
     monkeypatch.setenv(faults.ENV, "enospc_local_write@5")
     h = ByteHelper()
     try:
+        tier = _tier(tmp_path, h)
         data = _shared(8 << 20, h)
         _progress(h, 5, data).advance(8 << 20)
         with pytest.raises(OSError) as e:
-            with files.DurableBatch() as batch:
-                h.write(5, 1, batch.adopt(str(tmp_path / "c.data")), None, 8 << 20)
+            h.write_part(5, 1, 8 << 20, _describe(5))
         assert e.value.errno == 28 and "injected" in str(e.value)
-        assert os.listdir(tmp_path) == [] and h.alive
+        assert _rank_files(tier, 5) == [] and h.alive
     finally:
         h.close()
 
@@ -177,13 +248,15 @@ def test_a_kill_in_the_helpers_write_kills_the_rank_and_the_helper_dies_with_it(
     script = textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {ROOT!r})
-        from test_byte_helper import _shared, _progress
+        from pathlib import Path
+        from test_byte_helper import _describe, _progress, _shared, _tier
         from titan_ckpt_plus.tiers.byte_helper import ByteHelper
         h = ByteHelper()
         print(h.proc.pid, flush=True)
+        _tier(Path({str(tmp_path)!r}), h)
         data = _shared(16 << 20, h)
         _progress(h, 9, data).advance(16 << 20)
-        h.write(9, 1, {str(tmp_path / 'd.data')!r}, None, 16 << 20)
+        h.write_part(9, 1, 16 << 20, _describe(9))
         print("survived", flush=True)
     """)
     env = dict(os.environ, **{faults.ENV: "kill_during_local_write@9", "PYTHONPATH": os.path.join(ROOT, "tests")})
@@ -197,6 +270,34 @@ def test_a_kill_in_the_helpers_write_kills_the_rank_and_the_helper_dies_with_it(
         threading.Event().wait(0.05)
     else:
         pytest.fail(f"the helper {pid} outlived its rank")
+
+
+def _pfs_step(pfs, step: int, manifest: bool = True) -> None:
+    d = pfs / f"step-{step}"
+    d.mkdir(parents=True)
+    (d / f"__0_0{DEFAULT_SUFFIX}").write_bytes(b"part")
+    if manifest:
+        (d / MANIFEST).write_text(json.dumps({"step": step, "job_id": "J", "kind": "full"}))
+    (d / ".metadata").write_bytes(b"metadata")
+
+
+def test_the_helper_runs_pfs_retention_and_leaves_a_step_only_torch_can_tell_to_the_process(helper, tmp_path):
+    """Rank 0's PFS retention by the helper: the oldest step goes, its data file kept
+    as the rank's spare. A step without our manifest (stock torchtitan's) is an
+    export or not by its .metadata, which needs torch: the helper refuses with
+    NeedsTorch, deleting nothing, and the process's PfsTier decides."""
+    pfs = tmp_path / "pfs"
+    for step in (2, 4, 6):
+        _pfs_step(pfs, step)
+    helper.attach(LocalTier(str(tmp_path / "local"), 0, 1, True, 2, "J"), PfsFolder(str(pfs), 0, 1, 2, "J"))
+    assert helper.purge_pfs(6) == [2]
+    assert sorted(os.listdir(pfs)) == [".spare", "step-4", "step-6"]
+    assert (pfs / ".spare" / "J" / f"rank-00000{DEFAULT_SUFFIX}").read_bytes() == b"part"
+    _pfs_step(pfs, 8, manifest=False)
+    with pytest.raises(NeedsTorch, match="step-8 has no manifest"):
+        helper.purge_pfs(8)
+    assert sorted(os.listdir(pfs)) == [".spare", "step-4", "step-6", "step-8"] and helper.alive
+    assert PfsTier(str(pfs), 0, 1, 2, "J").purge() == [4]  # its .metadata is no DCP's: not an export
 
 
 def test_the_helper_imports_no_torch():
@@ -248,7 +349,9 @@ def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_o
             if step == 2:
                 state["model"]["grown"] = torch.ones(1 << 20)
             if step == 4:
-                assert helper.files == 4  # three local files and step 2's PFS file
+                # three parts, each committed and retained; step 2's PFS file, its manifest and
+                # .metadata, and PFS retention after it
+                assert helper.served == {"part": 3, "commit": 3, "retain": 3, "copy": 1, "files": 1, "purge": 1}
                 helper.proc.kill()
                 helper.proc.wait()
             ckpt.save(step)
@@ -293,6 +396,6 @@ def test_a_helper_that_dies_mid_write_fails_that_save_alone(one_rank, tmp_path, 
         assert ckpt.helper is None and ckpt.local.committed_steps() == [1, 3]
         back = _saved(ckpt, 3)
         assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
-        assert helper.files == 1 and not helper.alive
+        assert helper.served["part"] == 1 and not helper.alive
     finally:
         ckpt.close()

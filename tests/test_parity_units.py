@@ -10,7 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan_ckpt_plus import config, cpu_fallback, digest
-from titan_ckpt_plus.tiers.pfs import FULL_STATE, HF_INDEX, MANIFEST, PfsTier
+from titan_ckpt_plus.tiers.pfs import PfsTier
+from titan_ckpt_plus.tiers.pfs_folder import FULL_STATE, HF_INDEX, MANIFEST
 
 
 def _dcp_step(path, state):

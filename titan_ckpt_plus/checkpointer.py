@@ -20,7 +20,6 @@ goes on and the older checkpoints stay.
 """
 
 import errno
-import functools
 import queue
 import shutil
 import threading
@@ -37,9 +36,10 @@ from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
 from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog, PhaseClock
+from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper
-from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
+from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
@@ -134,7 +134,7 @@ class TieredCheckpointer:
         self.local = LocalTier(s.local_root, s.rank, s.world_size, s.first_on_node, s.local_keep,
                                s.job_id)
         self.pfs = PfsTier(s.pfs_folder, s.rank, s.world_size, s.pfs_keep, s.job_id,
-                           reuse_files=s.pfs_reuse_files)
+                           reuse_files=s.pfs_reuse_files, write_batch=self._pfs_batch)
         self.stats = SaveStats()
         # Per-save figures once per job, not once per rank; warnings stay on every rank.
         self._info = log.info if s.rank == 0 else (lambda *_: None)
@@ -195,11 +195,13 @@ class TieredCheckpointer:
         self._copier = self.device.start_thread(self._copy_loop, "ckpt-staging-copy",
                                                 idle=self.background)
 
-    @staticmethod
-    def _start_helper(nice: int) -> ByteHelper | None:
-        """The byte helper, at the writer's and the drain's priority (background_nice)."""
+    def _start_helper(self, nice: int) -> ByteHelper | None:
+        """The byte helper, at the writer's and the drain's priority (background_nice),
+        running this rank's local tier."""
         try:
-            return ByteHelper(nice)
+            helper = ByteHelper(nice)
+            helper.attach(self.local, self.pfs)
+            return helper
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] [checkpoint] helper_process = true: the helper process did not "
                         f"start ({e!r}); the local writes stay in the training process")
@@ -251,7 +253,6 @@ class TieredCheckpointer:
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
         if self._helper_alive():  # the helper writes what the copy has staged, as it is staged
             job.helper = self.helper
-            job.progress.listener = functools.partial(self.helper.progress, step)
         self.background.begin(("write", step))
         inline = (last_step or not self.s.overlap_copy
                   or (self.s.prefer_copy_in_save and not self._buffer_lent()))
@@ -264,6 +265,7 @@ class TieredCheckpointer:
             job.generation = self.buffer.generation
             if job.helper is not None:  # a new buffer (the state grew) goes to the helper once
                 job.helper.share(job.generation, self.buffer.fd, self.buffer.data.numel())
+                job.progress.listener = job.helper.progress(step, job.layout.total_bytes)
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
             job.progress.fail()
@@ -553,15 +555,18 @@ class TieredCheckpointer:
         """The local write follows the staging copy chunk by chunk, so a step is
         durable about one write after the save began, not one copy plus one write."""
         t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()
-        nbytes, own, helper_write = 0, None, self._helper_write(job)
+        nbytes, own, helper = 0, None, self._job_helper(job)
         if job.layout is not None:  # planned; the copy may still be running
             try:
                 data = self.buffer.data[: job.layout.total_bytes].numpy()
-                manifest, layout_bytes = self.local.write_part(
-                    job.step, data, lambda: self._describe(job),
-                    on_chunk=lambda _n: self._write_faults(job.step),
-                    before_chunk=job.progress.wait, known_crc=lambda: job.progress.crc,
-                    helper_write=helper_write)
+                if helper is not None:
+                    manifest = helper.write_part(job.step, job.generation, len(data), lambda: self._describe(job))
+                    layout_bytes = job.layout_bytes
+                else:
+                    manifest, layout_bytes = self.local.write_part(
+                        job.step, data, lambda: self._describe(job),
+                        on_chunk=lambda _n: self._write_faults(job.step),
+                        before_chunk=job.progress.wait, known_crc=lambda: job.progress.crc)
                 own = Part(manifest, layout_bytes, data)
                 nbytes = own.nbytes()
             except Exception as e:
@@ -607,8 +612,10 @@ class TieredCheckpointer:
         job.committed = True
         self._last_committed_job = job
         try:
-            self.local.commit(job.step, {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
-                                         "node_ranks": self.s.node_ranks})
+            if self.s.first_on_node:
+                self._on_local(helper, job.step, "commit",
+                               {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
+                                "node_ranks": self.s.node_ranks})
         except OSError as e:  # not a recovery candidate on this node; the drain goes on as voted
             self.record_failure("local", job.step, f"commit marker: {e!r}")
         else:
@@ -623,24 +630,35 @@ class TieredCheckpointer:
                                staging_s=job.staging_s, background_write_s=write_s,
                                time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
                                staging_cpu_s=job.staging_cpu_s, phases=clock.phases,
-                               by_helper=helper_write is not None)
+                               by_helper=helper is not None)
         if job.pfs_due:
             self._drain(job)
         try:
             held = self.placement.sources(self.s.rank) if self.placement else []
-            if not self.s.first_on_node:
-                self.local.wait_for_commit(job.step)
-            self.local.purge(protected=set(self.drain.steps), held=held, committed_now=job.step)
+            self._on_local(helper, job.step, "retain", set(self.drain.steps), held)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
 
     @staticmethod
-    def _helper_write(job: _Job):
-        """The byte helper's write for this job, if it has one still running; else the
-        write stays here (the bytes are in the buffer all the same)."""
-        if job.helper is None or not job.helper.alive:
-            return None
-        return functools.partial(job.helper.write, job.step, job.generation)
+    def _job_helper(job: _Job) -> ByteHelper | None:
+        """The byte helper that writes this job's part, if it has one still running;
+        else the write stays here (the bytes are in the buffer all the same)."""
+        return job.helper if job.helper is not None and job.helper.alive else None
+
+    def _pfs_batch(self, folder: str, items: list) -> list[dict]:
+        """A PFS step's manifest and .metadata (the drain thread's): by the byte helper
+        while it runs, else here."""
+        helper = self.helper
+        if helper is not None and helper.alive:
+            return helper.write_batch(folder, items)
+        return files.write_batch(folder, items)
+
+    def _on_local(self, helper: ByteHelper | None, step: int, method: str, *args):
+        """LocalTier.`method`, run by the byte helper where it wrote the part (one
+        request instead of a dozen file-system calls on this thread), else here."""
+        if helper is not None and helper.alive:
+            return helper.tier(step, method, *args)
+        return getattr(self.local, method)(step, *args)
 
     def _describe(self, job: _Job) -> tuple[bytes, dict]:
         """The layout's bytes and the manifest's fields, made by the copy thread

@@ -23,6 +23,7 @@ from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier, describe
+from titan_ckpt_plus.tiers.pfs_folder import NeedsTorch
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
 
@@ -150,6 +151,18 @@ class PfsDrain:
         return PartSource(total, job.loan, *(() if no_file else self.local.data_file(job.step)),
                           yielding=self._yielding, helper=job.helper, step=job.step)
 
+    def _purge(self, job) -> None:
+        """PFS retention (rank 0): by the byte helper while it runs, so the listing,
+        manifest reads and deletes leave this process; here where a step without our
+        manifest needs its .metadata read (torch's classes) to be told apart."""
+        if self.pfs.rank == 0 and job.helper is not None and job.helper.alive:
+            try:
+                job.helper.purge_pfs(job.step)
+                return
+            except NeedsTorch:
+                pass
+        self.pfs.purge()
+
     def _drain(self, job) -> None:
         t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()
         source, why = None, ""
@@ -172,7 +185,7 @@ class PfsDrain:
         self._info(f"[titan_ckpt_plus] PFS step {job.step} written: {nbytes / 2**20:.1f} MiB "
                    f"in {self.last_seconds:.3f}s (background)")
         try:
-            self.pfs.purge()
+            self._purge(job)
         except OSError as e:
             log.warning(f"[titan_ckpt_plus] PFS retention failed: {e!r}")
         clock.mark("purge")

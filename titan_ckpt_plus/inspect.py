@@ -22,11 +22,10 @@ from titan_ckpt_plus import identity
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.files import human_bytes
 from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, NodeJob, node_jobs, tree_size
+from titan_ckpt_plus.tiers.pfs_folder import FULL_STATE, HF_INDEX, MANIFEST
 
-PFS_MANIFEST = "titan_ckpt_plus.json"  # == tiers.pfs.MANIFEST: {"step", "files": {name: {size, crc32c}}}
+PFS_MANIFEST = MANIFEST  # {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
-FULL_STATE = "full_state"  # == tiers.pfs.FULL_STATE
-HF_INDEX = "model.safetensors.index.json"  # == tiers.pfs.HF_INDEX
 PLUGIN_DIR = identity.PLUGIN_DIR
 EVENTS = "events.jsonl"
 LOCAL_ROOTS = "local_roots.json"

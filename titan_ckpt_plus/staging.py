@@ -246,7 +246,7 @@ class StagingProgress:
         self.failed = False
         self.crc = 0
         self._data: memoryview | None = None
-        self.listener = None  # told each advance (bytes staged) and a failure (None)
+        self.listener = None  # told each advance (bytes staged, their CRC-32C) and a failure (None)
 
     def checksum(self, data) -> None:
         self._data = memoryview(data).cast("B")
@@ -258,14 +258,14 @@ class StagingProgress:
             self.done = upto
             self._cv.notify_all()
         if self.listener is not None:
-            self.listener(upto)
+            self.listener(upto, self.crc)
 
     def fail(self) -> None:
         with self._cv:
             self.failed = True
             self._cv.notify_all()
         if self.listener is not None:
-            self.listener(None)
+            self.listener(None, 0)
 
     def wait(self, upto: int) -> None:
         """Block until the first `upto` bytes are staged; raise if staging failed."""

@@ -281,15 +281,8 @@ class DurableBatch:
     not keep its bytes there."""
 
     def __init__(self) -> None:
-        self._open: list[tuple[int, str, str]] = []  # (fd or -1, temporary name, final name)
+        self._open: list[tuple[int, str, str]] = []  # (fd, temporary name, final name)
         self._streams: list[Appender] = []
-
-    def adopt(self, path: str) -> str:
-        """A temporary name for `path` that another process writes and fsyncs (the byte
-        helper); renamed with the batch's other files, in order, or removed."""
-        tmp = temporary(path)
-        self._open.append((-1, tmp, path))
-        return tmp
 
     def __enter__(self) -> "DurableBatch":
         return self
@@ -339,12 +332,10 @@ class DurableBatch:
                 for out in self._streams:
                     _cut_to(out.fd, out.size, out.flags)
                 for fd, _, _ in self._open:
-                    if fd >= 0:
-                        os.fsync(fd)
+                    os.fsync(fd)
         finally:
             for fd, tmp, _ in self._open:
-                if fd >= 0:
-                    os.close(fd)
+                os.close(fd)
                 if exc_type is not None:
                     with contextlib.suppress(OSError):
                         os.remove(tmp)
@@ -426,6 +417,15 @@ def copy_spans(path: str, reuse: str | None, spans: list, pieces, tail: bytes, k
         if tail:
             out.write(tail)
     return {"size": out.size, SUM: out.crc}
+
+
+def write_batch(folder: str, items: list) -> list[dict]:
+    """Small files ((path, bytes) in `folder`) through one DurableBatch, named in the
+    order given and made durable by the folder's fsync; their manifest entries."""
+    with DurableBatch() as batch:
+        entries = [batch.write(path, data) for path, data in items]
+    fsync_dir(folder)
+    return entries
 
 
 def write_durable(path: str, data, on_chunk=None, before_chunk=None) -> dict:

@@ -353,22 +353,17 @@ class LocalTier:
         return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
 
     def write_part(self, step: int, data, describe, on_chunk=None, before_chunk=None,
-                   known_crc=None, helper_write=None) -> tuple[bytes, bytes]:
+                   known_crc=None) -> tuple[bytes, bytes]:
         """Write this rank's part durably; returns its manifest's bytes (what a
         replica receiver stores as is) and its layout's. `describe()` gives the layout
         bytes and the manifest's fields; it is called once the data is written, so
-        the caller can make them while the disk works. `helper_write(tmp, reuse,
-        size)`: the data file is written by the byte helper process instead (its
-        CRC-32C then from `known_crc`). Raises on I/O error."""
+        the caller can make them while the disk works. Raises on I/O error. Run by
+        the training process's writer thread, or by the byte helper process."""
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [self.rank])
         with files.DurableBatch() as batch:
             path, spare = self._part(step, "data"), self._spare(self.rank)
-            if helper_write is None:
-                data_entry = batch.write(path, data, on_chunk, before_chunk, known_crc, reuse=spare)
-            else:
-                helper_write(batch.adopt(path), spare, len(data))
-                data_entry = {"size": len(data), files.SUM: known_crc()}
+            data_entry = batch.write(path, data, on_chunk, before_chunk, known_crc, reuse=spare)
             layout_bytes, meta = describe()
             manifest = dict(meta, job_id=self.job_id, step=step, rank=self.rank,
                             world_size=self.world_size, written_at=time.time())
@@ -413,6 +408,13 @@ class LocalTier:
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.001)
+
+    def retain(self, step: int, protected: set[int], held: list[int]) -> list[int]:
+        """Retention after `step` was voted committed (purge), once this node's first
+        rank has its marker (wait_for_commit)."""
+        if not self.first_on_node:
+            self.wait_for_commit(step)
+        return self.purge(protected, held, committed_now=step)
 
     def steps(self) -> list[int]:
         return steps_in(self.root)

@@ -32,7 +32,6 @@ as is one whose manifest has no job id (written before job identities); one whos
 manifest names another job is never used (`owners()`).
 """
 
-import contextlib
 import io
 import os
 import pickle
@@ -55,11 +54,8 @@ from titan_ckpt_plus import staging
 from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.metadata_pickle import MetadataPickle
+from titan_ckpt_plus.tiers.pfs_folder import MANIFEST, PfsFolder, _read_owner
 
-MANIFEST = "titan_ckpt_plus.json"
-FULL_STATE = "full_state"
-HF_INDEX = "model.safetensors.index.json"
-_UNREAD = object()  # PfsTier.is_export: the manifest is not read yet
 
 
 class CountingReader(FileSystemReader):
@@ -295,55 +291,21 @@ def agree(why: str, pg) -> str:
     return "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
 
 
-class PfsTier:
+class PfsTier(PfsFolder):
+    """The PFS folder (PfsFolder) and the DCP steps in it: written by the drain
+    (save), checked and loaded at recovery, exports recorded."""
+
     def __init__(self, folder: str, rank: int, world_size: int, keep_latest_k: int,
-                 job_id: str = "", reuse_files: bool = True) -> None:
-        self.folder = folder
-        self.job_id = job_id
-        self.rank = rank
-        self.world_size = world_size
-        self.keep_latest_k = keep_latest_k
-        self.reuse_files = reuse_files  # [checkpoint] pfs_reuse_files: see _spare
+                 job_id: str = "", reuse_files: bool = True, write_batch=files.write_batch) -> None:
+        super().__init__(folder, rank, world_size, keep_latest_k, job_id, reuse_files)
+        self.write_batch = write_batch  # files.write_batch's, or the byte helper's (the drain's channel)
         self._kept: KeptPlan | None = None  # the plan of the layout drained last: see save()
 
-    def _dir(self, step: int, beside_export: bool = False) -> str:
-        return os.path.join(self.folder, FULL_STATE if beside_export else "", f"step-{step}")
-
-    def step_dir(self, step: int) -> str:
-        """Where step N's full state is: full_state/step-N if written there, else step-N."""
-        full = self._dir(step, beside_export=True)
-        return full if os.path.isfile(os.path.join(full, ".metadata")) else self._dir(step)
-
-    def export_dir(self, step: int) -> str:
-        return self._dir(step)
-
-    def steps(self) -> list[int]:
-        """Complete resumable steps (with .metadata, not an export), oldest first."""
-        return sorted(self.owners())
-
-    def exports(self) -> list[int]:
-        """Steps whose step-N holds a last-step export (DCP or HF), oldest first."""
-        if not os.path.isdir(self.folder):
-            return []
-        return sorted(s for n in os.listdir(self.folder)
-                      if (s := files.step_of(n)) is not None and self.is_export(s))
-
-    def is_export(self, step: int, manifest: Any = _UNREAD) -> bool:
-        """Whether step-N is a model-only export: our manifest says so; without one (stock
-        torchtitan wrote it), an HF export, or a DCP step that has no train_state.
-        `manifest`: step-N's as _read_manifest gave it, if read already."""
-        path = self._dir(step)
-        if manifest is _UNREAD:
-            manifest = _read_manifest(path)
-        if manifest is not None:
-            return isinstance(manifest, dict) and manifest.get("kind") == "export"  # "?": verify() rejects it
-        if os.path.isfile(os.path.join(path, HF_INDEX)):
-            return True
+    def dcp_keys(self, path: str) -> list[str] | None:
         try:
-            keys = FileSystemReader(path).read_metadata().state_dict_metadata
+            return list(FileSystemReader(path).read_metadata().state_dict_metadata)
         except Exception:
-            return False
-        return not any(k == "train_state" or k.startswith("train_state.") for k in keys)
+            return None
 
     def save(self, step: int, layout, specs: dict, source, pg, before_write=None,
              beside_export: bool = False, clock=None, why: str = "") -> int:
@@ -416,10 +378,8 @@ class PfsTier:
         into place."""
         manifest = {"step": step, "job_id": self.job_id, "kind": "full",
                     "files": {**data_files, ".metadata": files.entry(data)}}
-        with files.DurableBatch() as batch:
-            batch.write(os.path.join(path, MANIFEST), files.json_bytes(manifest))
-            batch.write(os.path.join(path, ".metadata"), data)
-        files.fsync_dir(str(path))
+        self.write_batch(str(path), [(os.path.join(path, MANIFEST), files.json_bytes(manifest)),
+                                     (os.path.join(path, ".metadata"), data)])
 
     def _make_room(self, path: str) -> str:
         """Rank 0: empty `path` of this job's old files ("" when done), never touching
@@ -473,83 +433,12 @@ class PfsTier:
         reason = agree(reason, pg)
         return not reason, reason
 
-    def owners(self) -> dict[int, str | None]:
-        """Complete resumable step -> the job id its manifest records (see _owner_in),
-        each manifest read once (retention lists them after every drain)."""
-        out = {}
-        for s in _complete(self.folder):
-            manifest = _read_manifest(self._dir(s))
-            if not self.is_export(s, manifest):
-                out[s] = _owner_in(manifest)
-        full = os.path.join(self.folder, FULL_STATE)
-        out.update({s: _read_owner(os.path.join(full, f"step-{s}")) for s in _complete(full)})
-        return out
-
-    def other_jobs_steps(self) -> dict[int, str]:
-        """Complete steps and exports whose manifest names another job. An unreadable
-        one ("?") is not counted: recovery's checks skip it, and retention keeps it."""
-        owners = self.owners() | {s: _read_owner(self._dir(s)) for s in self.exports()}
-        return {s: o for s, o in owners.items() if o not in (None, "?", self.job_id)}
-
     def load(self, step: int, state: dict) -> int:
         """dcp.load into `state` in place (resharding as needed); returns bytes read."""
         reader = CountingReader(self.step_dir(step))
         dcp.load(state, storage_reader=reader)
         return reader.bytes_read
 
-    def purge(self) -> list[int]:
-        """Rank 0 keeps the newest `keep_latest_k` complete steps of this job (0 keeps
-        all); another job's steps are never deleted."""
-        if self.rank != 0 or self.keep_latest_k <= 0:
-            return []
-        # another job's step, or one whose owner cannot be told: never purged
-        mine = sorted(s for s, owner in self.owners().items() if owner in (None, self.job_id))
-        old = mine[: -self.keep_latest_k]
-        for s in old:
-            self._remove(self.step_dir(s))
-        return old
-
-    def _remove(self, path: str) -> None:
-        """A purged step: its .metadata first (the step is no longer complete, so never
-        a candidate, whatever goes wrong next), then its parts (retired as spares), the
-        manifest and the folder, by name: a tree walk costs a dozen more system calls,
-        after each of which the drain takes the GIL back from training."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(path, ".metadata"))
-        if self.reuse_files:
-            self._retire_parts(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(path, MANIFEST))
-        try:
-            os.rmdir(path)
-        except OSError:  # files of another writer (stock torchtitan's extra files)
-            shutil.rmtree(path, ignore_errors=True)
-
-    def _retire_parts(self, path: str) -> None:
-        """Each rank's data file of a purged step becomes that rank's spare."""
-        for r in range(self.world_size):
-            with contextlib.suppress(OSError):  # a rank whose part is missing
-                files.retire(os.path.join(path, f"__{r}_0{DEFAULT_SUFFIX}"), self._spare(r))
-
-    def _spare(self, rank: int) -> str | None:
-        """Where purge() retires rank R's data file, for R's next drain to write over
-        (files.retire): into a new file, 100M's drain spent 0.30 s in the fsync against
-        0.20 s, and rank 0's purge 0.32 s deleting against 1 ms (BENCHMARKS.md, overhead).
-        The PFS holds one more part per rank at rest, none once the last step is saved
-        (release_spares). None with pfs_reuse_files = false."""
-        return os.path.join(self._spare_dir, f"rank-{rank:05d}{DEFAULT_SUFFIX}") if self.reuse_files else None
-
-    @property
-    def _spare_dir(self) -> str:
-        return os.path.join(self.folder, files.SPARE, self.job_id or "_")
-
-    def release_spares(self) -> None:
-        """Rank 0, once the job has run its last step: its spares go (a later job makes
-        new files). Not after a crash or a preemption: the restart writes over them."""
-        if self.rank == 0:
-            shutil.rmtree(self._spare_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(self.folder, files.SPARE))
 
 
 def _checksums(path: str, names: list[str]) -> dict:
@@ -559,35 +448,3 @@ def _checksums(path: str, names: list[str]) -> dict:
         size, crc = files.checksum_file(os.path.join(path, name))
         out[name] = {"size": size, files.SUM: crc}
     return out
-
-
-def _complete(folder: str) -> list[int]:
-    """Steps of `folder` with a .metadata (DCP wrote it last)."""
-    if not os.path.isdir(folder):
-        return []
-    return [s for n in os.listdir(folder)
-            if (s := files.step_of(n)) is not None and os.path.isfile(os.path.join(folder, n, ".metadata"))]
-
-
-def _read_manifest(path: str) -> dict | str | None:
-    """A step folder's manifest; None if it has none, "?" if it is unreadable or not
-    a JSON object."""
-    try:
-        manifest = files.read_json(os.path.join(path, MANIFEST))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return "?"
-    return manifest if isinstance(manifest, dict) else "?"
-
-
-def _owner_in(manifest: dict | str | None) -> str | None:
-    """The job id a manifest records; None: none (stock torchtitan's step, one written
-    before job identities, or one whose manifest is not written yet); "?": an
-    unreadable manifest, which verify() rejects."""
-    return manifest.get("job_id") if isinstance(manifest, dict) else manifest
-
-
-def _read_owner(path: str) -> str | None:
-    """The job id of a step folder's manifest (_owner_in)."""
-    return _owner_in(_read_manifest(path))
