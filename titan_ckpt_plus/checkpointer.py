@@ -253,6 +253,7 @@ class TieredCheckpointer:
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
         if self._helper_alive():  # the helper writes what the copy has staged, as it is staged
             job.helper = self.helper
+            job.progress.sums = False  # the helper checksums the bytes as it writes them
         self.background.begin(("write", step))
         inline = (last_step or not self.s.overlap_copy
                   or (self.s.prefer_copy_in_save and not self._buffer_lent()))
@@ -566,7 +567,8 @@ class TieredCheckpointer:
                     manifest, layout_bytes = self.local.write_part(
                         job.step, data, lambda: self._describe(job),
                         on_chunk=lambda _n: self._write_faults(job.step),
-                        before_chunk=job.progress.wait, known_crc=lambda: job.progress.crc)
+                        before_chunk=job.progress.wait,
+                        known_crc=(lambda: job.progress.crc) if job.progress.sums else None)
                 own = Part(manifest, layout_bytes, data)
                 nbytes = own.nbytes()
             except Exception as e:

@@ -245,11 +245,13 @@ class StagingProgress:
         self.done = 0
         self.failed = False
         self.crc = 0
+        self.sums = True  # False: the byte helper checksums the bytes as it writes them
         self._data: memoryview | None = None
-        self.listener = None  # told each advance (bytes staged, their CRC-32C) and a failure (None)
+        self.listener = None  # told each advance (bytes staged) and a failure (None)
 
     def checksum(self, data) -> None:
-        self._data = memoryview(data).cast("B")
+        if self.sums:
+            self._data = memoryview(data).cast("B")
 
     def advance(self, upto: int) -> None:
         if self._data is not None:
@@ -258,14 +260,14 @@ class StagingProgress:
             self.done = upto
             self._cv.notify_all()
         if self.listener is not None:
-            self.listener(upto, self.crc)
+            self.listener(upto)
 
     def fail(self) -> None:
         with self._cv:
             self.failed = True
             self._cv.notify_all()
         if self.listener is not None:
-            self.listener(None, 0)
+            self.listener(None)
 
     def wait(self, upto: int) -> None:
         """Block until the first `upto` bytes are staged; raise if staging failed."""

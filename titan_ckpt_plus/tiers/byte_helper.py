@@ -26,8 +26,7 @@ so the order between channels does not matter:
   copy   -> ("tiers", 0, LocalTier's arguments, PfsFolder's)  the rank's tiers, once
          <- ("attached", 0)
          -> ("buffer", gen, size) + memfd   the staging buffer, generation `gen`
-         -> ("progress", step, upto, crc)   step's first `upto` bytes staged, their CRC-32C
-                                            (upto None: the copy failed)
+         -> ("progress", step, upto)        step's first `upto` bytes staged (None: the copy failed)
          -> ("take_back", step)             the buffer is about to be overwritten
          <- ("taken", step)                 no byte of `step` is read from it after this
   write  -> ("part", step, gen, size)       LocalTier.write_part from the buffer ...
@@ -150,18 +149,18 @@ class ByteHelper:
 
     def progress(self, step: int, size: int):
         """A StagingProgress listener for step's `size` bytes: tells the helper how many
-        are staged (None: the copy failed) and their CRC-32C, but only when they reach
-        the end of the helper's next piece (files._chunks), which is all it waits for:
-        fewer messages, each a system call of the copy thread."""
+        are staged (None: the copy failed), but only when they reach the end of the
+        helper's next piece (files._chunks), which is all it waits for: fewer
+        messages, each a system call of the copy thread."""
         ends = [end for _, end in files._chunks(size)]
 
-        def listener(upto: int | None, crc: int) -> None:
+        def listener(upto: int | None) -> None:
             if upto is not None and (not ends or upto < ends[0]):
                 return
             while ends and upto is not None and upto >= ends[0]:
                 ends.pop(0)
             try:
-                self._call("copy", ("progress", step, upto, crc))
+                self._call("copy", ("progress", step, upto))
             except OSError:  # the writer's request reports a dead helper
                 pass
         return listener
@@ -294,7 +293,7 @@ class _Helper:
         self.pfs: PfsFolder | None = None  # the job's, once attached
         self.cv = threading.Condition()  # over buffers, staged, taken
         self.buffers: dict[int, mmap.mmap] = {}  # generation -> mapping (the newest two)
-        self.staged: dict[int, tuple] = {}  # step -> (bytes staged (None: failed), their CRC-32C)
+        self.staged: dict[int, int | None] = {}  # step -> bytes staged (None: failed)
         self.taken: set[int] = set()  # steps whose bytes the buffer no longer holds
         self.memory = threading.Lock()  # held while a piece goes from the buffer to a file
 
@@ -325,7 +324,7 @@ class _Helper:
                 self.cv.notify_all()
         elif kind == "progress":
             with self.cv:
-                self.staged[key] = msg[2:]
+                self.staged[key] = msg[2]
                 self.cv.notify_all()
         elif kind == "take_back":
             with self.cv:
@@ -356,15 +355,13 @@ class _Helper:
                 raise RuntimeError(f"staging buffer {gen} was never shared with the helper")
             return memoryview(self.buffers[gen])
 
-    def wait_staged(self, step: int, upto: int) -> int:
-        """Until step's first `upto` bytes are staged; their CRC-32C so far."""
+    def wait_staged(self, step: int, upto: int) -> None:
         with self.cv:
-            self.staged = {s: v for s, v in self.staged.items() if s >= step}  # writes come in step order
-            while (self.staged.get(step, (0,))[0] or 0) < upto and self.staged.get(step, (0,))[0] is not None:
+            self.staged = {s: n for s, n in self.staged.items() if s >= step}  # writes come in step order
+            while (self.staged.get(step) or 0) < upto and self.staged.get(step, 0) is not None:
                 self.cv.wait()
-            if self.staged[step][0] is None:
+            if self.staged.get(step, 0) is None:
                 raise RuntimeError("staging failed before these bytes were copied")
-            return self.staged[step][1]
 
     def local_work(self, sock, kind: str, step: int, *args):
         if kind == "part":
@@ -375,9 +372,10 @@ class _Helper:
         return getattr(self.local, method)(step, *call_args)
 
     def part_write(self, sock, step: int, gen: int, size: int) -> bytes:
-        """LocalTier.write_part from the buffer, piece by piece as the copy stages it
-        (its CRC-32C is the copy thread's); its layout and manifest fields come as the
-        writer's next message, which is read even if the data's write failed."""
+        """LocalTier.write_part from the buffer, piece by piece as the copy stages it,
+        checksummed here (so the training process's copy thread only copies); its
+        layout and manifest fields come as the writer's next message, which is read
+        even if the data's write failed."""
         described = []
 
         def describe():
@@ -395,8 +393,7 @@ class _Helper:
 
         try:
             raw, _ = self.local.write_part(step, self.view(gen)[:size], describe, on_chunk=on_chunk,
-                                           before_chunk=lambda end: self.wait_staged(step, end),
-                                           known_crc=lambda: self.wait_staged(step, size))
+                                           before_chunk=lambda end: self.wait_staged(step, end))
         finally:
             if not described:  # the writer sends it all the same; an error is the one above
                 with contextlib.suppress(RuntimeError):
