@@ -3,6 +3,7 @@ made a DCP step by PartCopyWriter; one rank, no torchrun."""
 
 import contextlib
 import io
+import multiprocessing as mp
 import os
 import pickle
 import threading
@@ -433,3 +434,35 @@ def test_the_spares_stay_for_a_restart_and_go_once_the_last_step_is_saved(pg, tm
     ckpt.save(5, last_step=True)
     ckpt.close()
     assert ckpt.pfs.steps() == [4, 5] and not (tmp_path / "pfs" / ".spare").exists()
+
+
+def _gather_rank(rank: int, store_path: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
+    try:
+        small = {"rank": rank, "written": {f"__{rank}_0.distcp": {"size": 10 + rank, "crc32c": rank}}}
+        large = "x" * (pfs_mod.FRAME * rank)  # rank 1's does not fit its frame
+        got = [pfs_mod.gather(small, None), pfs_mod.gather(large, None), pfs_mod.agree("" if rank else "bad", None)]
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}.{rank}", "wb") as f:
+        pickle.dump(got, f)
+
+
+def test_gather_is_all_gather_object_in_one_collective_and_falls_back_for_a_large_object(tmp_path):
+    """The drain's gather of each rank's files (pfs.gather): every rank gets every
+    rank's object in rank order; where one rank's does not fit its frame, every rank
+    falls back to all_gather_object together (else the group would hang)."""
+    ctx = mp.get_context("spawn")
+    out = str(tmp_path / "out")
+    procs = [ctx.Process(target=_gather_rank, args=(r, str(tmp_path / "store"), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    for r in (0, 1):
+        with open(f"{out}.{r}", "rb") as f:
+            small, large, agreed = pickle.load(f)
+        assert [o["written"] for o in small] == [{"__0_0.distcp": {"size": 10, "crc32c": 0}},
+                                                 {"__1_0.distcp": {"size": 11, "crc32c": 1}}]
+        assert large == ["", "x" * pfs_mod.FRAME] and agreed == "rank 0: bad"

@@ -63,7 +63,7 @@ from titan_ckpt_plus.tiers.pfs_folder import NeedsTorch, PfsFolder
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
-_PIECE = 32 << 10  # a datagram's payload: well under any socket's send buffer
+_PIECE = 64 << 10  # a datagram's payload: under a socket's default send buffer (208 KiB on Linux)
 CHANNELS = ("copy", "write", "drain")
 TIER_CALLS = ("commit", "retain")  # what the writer asks of the helper's LocalTier
 

@@ -403,7 +403,8 @@ def copy_spans(path: str, reuse: str | None, spans: list, pieces, tail: bytes, k
     """Write `pieces` ((offset, piece) covering `spans` in order), then `tail`, to
     `path` durably (an Appender: O_DIRECT for the bulk, fsync'd); returns its size and
     CRC-32C. `known_crc`: the spans' CRC-32C if known (none computed then);
-    `on_piece()` runs after each piece (fault injection)."""
+    `on_piece()` runs after each piece (fault injection). Makes the file's folder."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with Appender(path, reuse) as out:
         with contextlib.closing(pieces):
             for _, piece in pieces:

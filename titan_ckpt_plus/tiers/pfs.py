@@ -39,6 +39,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -283,11 +284,39 @@ def all_ranks(flags: list[bool], pg) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
+FRAME = 4096  # bytes a rank in gather()'s one collective
+TOO_LARGE = 0xFFFFFFFF  # gather(): this rank's object did not fit its frame
+
+
+def gather(obj, pg) -> list:
+    """Collective: dist.all_gather_object for a few hundred bytes a rank (a drain's file
+    sizes and CRCs), as one all_gather of fixed-size frames: all_gather_object's two
+    collectives and dozen tensor ops each hand the GIL to the training thread and
+    take it back (about 12 of a launch-bound loop's waits a call against 7 here,
+    BENCHMARKS.md). An object too large for its frame: all_gather_object, on every
+    rank (each sees that frame's mark)."""
+    data = pickle.dumps(obj)
+    n = dist.get_world_size(pg)
+    frames, mine = torch.empty(n, FRAME, dtype=torch.uint8), torch.zeros(FRAME, dtype=torch.uint8)
+    fits = len(data) <= FRAME - 4
+    buf = mine.numpy()
+    buf[:4] = np.frombuffer((len(data) if fits else TOO_LARGE).to_bytes(4, "little"), np.uint8)
+    if fits:
+        buf[4 : 4 + len(data)] = np.frombuffer(data, np.uint8)
+    dist.all_gather(list(frames), mine, group=pg)
+    got = frames.numpy()
+    lengths = [int.from_bytes(f[:4].tobytes(), "little") for f in got]
+    if TOO_LARGE in lengths:
+        out: list = [None] * n
+        dist.all_gather_object(out, obj, group=pg)
+        return out
+    return [pickle.loads(f[4 : 4 + k].tobytes()) for f, k in zip(got, lengths)]
+
+
 def agree(why: str, pg) -> str:
     """Collective: "" if every rank's check passed, else every failing rank's reason
     (so the log on rank 0 names the file that failed on rank 5)."""
-    reasons: list = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(reasons, why, group=pg)
+    reasons = gather(why, pg)
     return "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
 
 
@@ -330,8 +359,7 @@ class PfsTier(PfsFolder):
             raise files.CorruptCheckpoint(why if source is None else "another rank could not read its part")
         if not room:
             raise files.CorruptCheckpoint(blocked or f"rank 0 could not make room at {path} (see its log)")
-        os.makedirs(path, exist_ok=True)
-        clock.mark("clear")
+        clock.mark("clear")  # each rank's copy makes the folder (files.copy_spans), in the helper if any
         small = kept.small if planned else SmallItems()
         writer = PartCopyWriter(path, layout, source, before_write, clock, small, self._spare(self.rank))
         if planned:
@@ -356,9 +384,7 @@ class PfsTier(PfsFolder):
             why = ""
         except Exception as e:
             why = describe(e)
-        mine = (why, writer.written, writer.small_lengths)
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, mine, group=pg)
+        gathered = gather((why, writer.written, writer.small_lengths), pg)
         clock.mark("gather")
         whys = "; ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(gathered) if w)
         if whys:
