@@ -1,12 +1,14 @@
 """[checkpoint] helper_process: the local data file written by a torch-free helper
 process from the shared staging buffer (tiers/byte_helper.py)."""
 
+import errno
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -123,12 +125,17 @@ def test_a_failed_copy_write_or_description_fails_the_request_leaves_no_file_and
     assert _rank_files(tier, 3) == []
 
     def broken():
-        raise RuntimeError("staging failed")
+        raise RuntimeError("no layout")
 
     _progress(helper, 4, data).advance(n)
-    with pytest.raises(RuntimeError, match="staging failed"):  # the writer's own error, the helper in step
+    with pytest.raises(RuntimeError, match="no layout"):  # the writer's own error, the helper in step
         helper.write_part(4, 1, n, broken)
     assert _rank_files(tier, 4) == [] and helper.alive
+    _progress(helper, 6, data).fail()  # before its buffer was shared (save()'s ensure() failed)
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="staging failed"):
+        helper.write_part(6, 99, n, _describe(6))
+    assert time.monotonic() - t0 < 5 and _rank_files(tier, 6) == []
     p = _progress(helper, 5, data)
     p.advance(n)
     helper.write_part(5, 1, n, _describe(5))
@@ -370,6 +377,32 @@ def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_o
         assert ckpt.stats.saves == 4 and ckpt.stats.drains == 2
         assert ckpt.stats.failed_saves == ckpt.stats.failed_drains == 0
         assert ckpt.helper is None  # the fourth save went on in this process
+    finally:
+        ckpt.close()
+
+
+def test_a_commit_marker_or_pfs_file_the_helper_did_not_finish_is_written_here(one_rank, tmp_path):
+    """The helper ends during a request for a step's commit marker or a PFS step's
+    files: the training process writes them, so a voted step keeps its marker."""
+    state = _state(1)
+    ckpt = _engine(tmp_path, state, pfs_interval=1000)
+    helper = ckpt.helper
+
+    def dies(*_a, **_k):
+        helper.proc.kill()
+        helper.proc.wait()
+        raise OSError(errno.EPIPE, "the byte helper process has ended")
+
+    helper.tier = helper.write_batch = dies
+    try:
+        ckpt.save(1)
+        ckpt.flush()
+        assert ckpt.local.committed_steps() == [1] and ckpt.stats.failed_saves == 0
+        assert helper.served == {"part": 1} and not helper.alive
+        folder = tmp_path / "pfs" / "step-1"
+        folder.mkdir(parents=True)
+        ckpt._pfs_batch(str(folder), [(str(folder / "m"), b"manifest")])
+        assert (folder / "m").read_bytes() == b"manifest"
     finally:
         ckpt.close()
 

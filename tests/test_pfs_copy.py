@@ -454,7 +454,7 @@ def test_gather_is_all_gather_object_in_one_collective_and_falls_back_for_a_larg
     falls back to all_gather_object together (else the group would hang)."""
     ctx = mp.get_context("spawn")
     out = str(tmp_path / "out")
-    procs = [ctx.Process(target=_gather_rank, args=(r, str(tmp_path / "store"), out)) for r in (0, 1)]
+    procs = [ctx.Process(target=_gather_rank, args=(r, str(tmp_path / "store"), out), daemon=True) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:

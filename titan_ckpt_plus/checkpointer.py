@@ -123,6 +123,19 @@ class Recovery:
     skipped: list = field(default_factory=list)  # (tier, step, reason)
 
 
+def _by_helper(helper: ByteHelper | None, there: Callable, here: Callable):
+    """`there(helper)` while the byte helper runs, else `here()`; `here()` too when it
+    ends during the request: the commit marker and a PFS step's files are written
+    whole either way (each is one durable batch), so one is never lost to the helper."""
+    if helper is not None and helper.alive:
+        try:
+            return there(helper)
+        except OSError:
+            if helper.alive:  # the request failed in the helper: a real error
+                raise
+    return here()
+
+
 class TieredCheckpointer:
     def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog,
                  placement: ReplicaPlacement | None = None,
@@ -643,24 +656,24 @@ class TieredCheckpointer:
 
     @staticmethod
     def _job_helper(job: _Job) -> ByteHelper | None:
-        """The byte helper that writes this job's part, if it has one still running;
-        else the write stays here (the bytes are in the buffer all the same)."""
-        return job.helper if job.helper is not None and job.helper.alive else None
+        """The byte helper that writes this job's part, if it has one still running and
+        the staging did not fail in save() already (the helper would wait for a buffer
+        it was never given); else the write stays here."""
+        if job.helper is None or not job.helper.alive or job.progress.failed:
+            return None
+        return job.helper
 
     def _pfs_batch(self, folder: str, items: list) -> list[dict]:
         """A PFS step's manifest and .metadata (the drain thread's): by the byte helper
         while it runs, else here."""
-        helper = self.helper
-        if helper is not None and helper.alive:
-            return helper.write_batch(folder, items)
-        return files.write_batch(folder, items)
+        return _by_helper(self.helper, lambda h: h.write_batch(folder, items),
+                          lambda: files.write_batch(folder, items))
 
     def _on_local(self, helper: ByteHelper | None, step: int, method: str, *args):
         """LocalTier.`method`, run by the byte helper where it wrote the part (one
         request instead of a dozen file-system calls on this thread), else here."""
-        if helper is not None and helper.alive:
-            return helper.tier(step, method, *args)
-        return getattr(self.local, method)(step, *args)
+        return _by_helper(helper, lambda h: h.tier(step, method, *args),
+                          lambda: getattr(self.local, method)(step, *args))
 
     def _describe(self, job: _Job) -> tuple[bytes, dict]:
         """The layout's bytes and the manifest's fields, made by the copy thread

@@ -206,9 +206,7 @@ class ByteHelper:
         against `expect` as it is read (CorruptCheckpoint if it differs). `crc`: the
         spans' CRC-32C if known (else computed). Returns the file's manifest entry
         (size, CRC-32C) and how many of its bytes came from the buffer."""
-        entry, from_memory = self._request("drain", ("copy", step, gen, path, reuse, spans, tail, file,
-                                                     expect, crc))
-        return entry, from_memory
+        return self._request("drain", ("copy", step, gen, path, reuse, spans, tail, file, expect, crc))
 
     def purge_pfs(self, step: int) -> list[int]:
         """PfsFolder.purge by the helper, after step's drain (on the drain's channel);
@@ -392,6 +390,7 @@ class _Helper:
             faults.maybe_fail("enospc_local_write", step)
 
         try:
+            self.wait_staged(step, min(1, size))  # a copy that failed first never shared its buffer
             raw, _ = self.local.write_part(step, self.view(gen)[:size], describe, on_chunk=on_chunk,
                                            before_chunk=lambda end: self.wait_staged(step, end))
         finally:
