@@ -441,7 +441,8 @@ def _gather_rank(rank: int, store_path: str, out: str) -> None:
     try:
         small = {"rank": rank, "written": {f"__{rank}_0.distcp": {"size": 10 + rank, "crc32c": rank}}}
         large = "x" * (pfs_mod.FRAME * rank)  # rank 1's does not fit its frame
-        got = [pfs_mod.gather(small, None), pfs_mod.gather(large, None), pfs_mod.agree("" if rank else "bad", None)]
+        got = [pfs_mod.gather(small, None), pfs_mod.gather(large, None), pfs_mod.agree("" if rank else "bad", None),
+               pfs_mod._frames.get(None), pfs_mod.gather(large, None)]  # the frame grew: it fits now
     finally:
         dist.destroy_process_group()
     with open(f"{out}.{rank}", "wb") as f:
@@ -451,7 +452,8 @@ def _gather_rank(rank: int, store_path: str, out: str) -> None:
 def test_gather_is_all_gather_object_in_one_collective_and_falls_back_for_a_large_object(tmp_path):
     """The drain's gather of each rank's files (pfs.gather): every rank gets every
     rank's object in rank order; where one rank's does not fit its frame, every rank
-    falls back to all_gather_object together (else the group would hang)."""
+    falls back to all_gather_object together (else the group would hang), and the
+    group's frame grows alike on every rank, so the next such gather fits."""
     ctx = mp.get_context("spawn")
     out = str(tmp_path / "out")
     procs = [ctx.Process(target=_gather_rank, args=(r, str(tmp_path / "store"), out), daemon=True) for r in (0, 1)]
@@ -462,7 +464,8 @@ def test_gather_is_all_gather_object_in_one_collective_and_falls_back_for_a_larg
         assert p.exitcode == 0
     for r in (0, 1):
         with open(f"{out}.{r}", "rb") as f:
-            small, large, agreed = pickle.load(f)
+            small, large, agreed, frame, again = pickle.load(f)
         assert [o["written"] for o in small] == [{"__0_0.distcp": {"size": 10, "crc32c": 0}},
                                                  {"__1_0.distcp": {"size": 11, "crc32c": 1}}]
-        assert large == ["", "x" * pfs_mod.FRAME] and agreed == "rank 0: bad"
+        assert large == again == ["", "x" * pfs_mod.FRAME] and agreed == "rank 0: bad"
+        assert frame == 2 * pfs_mod.FRAME  # the same on both ranks, large enough for rank 1's

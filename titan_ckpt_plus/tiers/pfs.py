@@ -284,21 +284,24 @@ def all_ranks(flags: list[bool], pg) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-FRAME = 4096  # bytes a rank in gather()'s one collective
+FRAME = 4096  # bytes a rank in gather()'s one collective, to start with
+MAX_FRAME = 64 << 10  # beyond this, all_gather_object
 TOO_LARGE = 0xFFFFFFFF  # gather(): this rank's object did not fit its frame
+_frames: dict = {}  # process group -> its frame, grown where an object did not fit
 
 
 def gather(obj, pg) -> list:
-    """Collective: dist.all_gather_object for a few hundred bytes a rank (a drain's file
-    sizes and CRCs), as one all_gather of fixed-size frames: all_gather_object's two
-    collectives and dozen tensor ops each hand the GIL to the training thread and
-    take it back (about 12 of a launch-bound loop's waits a call against 7 here,
-    BENCHMARKS.md). An object too large for its frame: all_gather_object, on every
-    rank (each sees that frame's mark)."""
+    """Collective: dist.all_gather_object for a few KiB a rank (a drain's file sizes,
+    CRCs and small items' lengths), as one all_gather of fixed-size frames:
+    all_gather_object's two collectives and dozen tensor ops each hand the GIL to the
+    training thread and take it back (about 12 of a launch-bound loop's waits a call
+    against 7 here, BENCHMARKS.md). An object too large for its frame: all_gather_object,
+    on every rank (each sees that frame's mark), and the group's frame grows to fit the
+    largest (every rank computes the same size from the same objects)."""
     data = pickle.dumps(obj)
-    n = dist.get_world_size(pg)
-    frames, mine = torch.empty(n, FRAME, dtype=torch.uint8), torch.zeros(FRAME, dtype=torch.uint8)
-    fits = len(data) <= FRAME - 4
+    n, frame = dist.get_world_size(pg), _frames.get(pg, FRAME)
+    frames, mine = torch.empty(n, frame, dtype=torch.uint8), torch.zeros(frame, dtype=torch.uint8)
+    fits = len(data) <= frame - 4
     buf = mine.numpy()
     buf[:4] = np.frombuffer((len(data) if fits else TOO_LARGE).to_bytes(4, "little"), np.uint8)
     if fits:
@@ -309,6 +312,9 @@ def gather(obj, pg) -> list:
     if TOO_LARGE in lengths:
         out: list = [None] * n
         dist.all_gather_object(out, obj, group=pg)
+        need = max(len(pickle.dumps(o)) for o in out) + 4
+        if need <= MAX_FRAME:
+            _frames[pg] = 1 << (need - 1).bit_length()
         return out
     return [pickle.loads(f[4 : 4 + k].tobytes()) for f, k in zip(got, lengths)]
 
