@@ -940,7 +940,7 @@ LAUNCH_WAYS = {"nice0": (0, False, False, False), "nice10": (10, False, False, F
                "idle": (0, True, False, False), "helper": (0, True, False, True), "control": (0, True, True, False)}
 
 
-def launch_bound_rows(nbytes: int, base: Path, names: list[str] = list(LAUNCH_WAYS),
+def launch_bound_rows(nbytes: int, base: Path, names: tuple[str, ...] = tuple(LAUNCH_WAYS),
                       reps: int = LAUNCH_REPS) -> list[tuple]:
     """The launch-bound target at nice 0, nice 10, in SCHED_IDLE, and in SCHED_IDLE with
     helper_process (the bytes moved by the rank's byte helper), and the SCHED_IDLE save +
@@ -1031,7 +1031,7 @@ def main() -> None:
         return
     if args.launch_bound_only:
         base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-        rows = launch_bound_rows(LAUNCH_BOUND_BYTES, base, args.launch_ways.split(","), args.launch_reps)
+        rows = launch_bound_rows(LAUNCH_BOUND_BYTES, base, tuple(args.launch_ways.split(",")), args.launch_reps)
         for what, got, want, ok in rows:
             print(f"| {what} | {got} | {want} | {_verdict(ok)} |")
         shutil.rmtree(base, ignore_errors=True)

@@ -20,7 +20,7 @@ from titan_ckpt_plus import faults, staging
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers import files
-from titan_ckpt_plus.tiers.byte_helper import ByteHelper
+from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier
 from titan_ckpt_plus.tiers.pfs_folder import MANIFEST, NeedsTorch, PfsFolder
@@ -258,7 +258,7 @@ def test_a_kill_in_the_helpers_write_kills_the_rank_and_the_helper_dies_with_it(
         sys.path.insert(0, {ROOT!r})
         from pathlib import Path
         from test_byte_helper import _describe, _progress, _shared, _tier
-        from titan_ckpt_plus.tiers.byte_helper import ByteHelper
+        from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
         h = ByteHelper()
         print(h.proc.pid, flush=True)
         _tier(Path({str(tmp_path)!r}), h)
@@ -305,7 +305,8 @@ def test_the_helper_runs_pfs_retention_and_leaves_a_step_only_torch_can_tell_to_
     with pytest.raises(NeedsTorch, match="step-8 has no manifest"):
         helper.purge_pfs(8)
     assert sorted(os.listdir(pfs)) == [".spare", "step-4", "step-6", "step-8"] and helper.alive
-    assert PfsTier(str(pfs), 0, 1, 2, "J").purge() == [4]  # its .metadata is no DCP's: not an export
+    # the drain's way (by_helper): the process decides; its .metadata is no DCP's: not an export
+    assert by_helper(helper, lambda h: h.purge_pfs(8), PfsTier(str(pfs), 0, 1, 2, "J").purge) == [4]
 
 
 def test_the_helper_imports_no_torch():

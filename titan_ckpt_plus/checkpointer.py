@@ -37,7 +37,7 @@ from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSc
 from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog, PhaseClock
 from titan_ckpt_plus.tiers import files
-from titan_ckpt_plus.tiers.byte_helper import ByteHelper
+from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
@@ -121,19 +121,6 @@ class Recovery:
     bytes_read: dict = field(default_factory=lambda: {"local": 0, "peer": 0, "pfs": 0})
     bytes_total: dict = field(default_factory=dict)  # summed over ranks
     skipped: list = field(default_factory=list)  # (tier, step, reason)
-
-
-def _by_helper(helper: ByteHelper | None, there: Callable, here: Callable):
-    """`there(helper)` while the byte helper runs, else `here()`; `here()` too when it
-    ends during the request: the commit marker and a PFS step's files are written
-    whole either way (each is one durable batch), so one is never lost to the helper."""
-    if helper is not None and helper.alive:
-        try:
-            return there(helper)
-        except OSError:
-            if helper.alive:  # the request failed in the helper: a real error
-                raise
-    return here()
 
 
 class TieredCheckpointer:
@@ -627,7 +614,7 @@ class TieredCheckpointer:
         job.committed = True
         self._last_committed_job = job
         try:
-            if self.s.first_on_node:
+            if self.s.first_on_node:  # the marker is the node's first rank's: no request from the others
                 self._on_local(helper, job.step, "commit",
                                {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
                                 "node_ranks": self.s.node_ranks})
@@ -666,14 +653,14 @@ class TieredCheckpointer:
     def _pfs_batch(self, folder: str, items: list) -> list[dict]:
         """A PFS step's manifest and .metadata (the drain thread's): by the byte helper
         while it runs, else here."""
-        return _by_helper(self.helper, lambda h: h.write_batch(folder, items),
-                          lambda: files.write_batch(folder, items))
+        return by_helper(self.helper, lambda h: h.write_batch(folder, items),
+                         lambda: files.write_batch(folder, items))
 
     def _on_local(self, helper: ByteHelper | None, step: int, method: str, *args):
         """LocalTier.`method`, run by the byte helper where it wrote the part (one
         request instead of a dozen file-system calls on this thread), else here."""
-        return _by_helper(helper, lambda h: h.tier(step, method, *args),
-                          lambda: getattr(self.local, method)(step, *args))
+        return by_helper(helper, lambda h: h.tier(step, method, *args),
+                         lambda: getattr(self.local, method)(step, *args))
 
     def _describe(self, job: _Job) -> tuple[bytes, dict]:
         """The layout's bytes and the manifest's fields, made by the copy thread

@@ -23,7 +23,7 @@ from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier, describe
-from titan_ckpt_plus.tiers.pfs_folder import NeedsTorch
+from titan_ckpt_plus.tiers.byte_helper import by_helper
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
 
@@ -155,13 +155,8 @@ class PfsDrain:
         """PFS retention (rank 0): by the byte helper while it runs, so the listing,
         manifest reads and deletes leave this process; here where a step without our
         manifest needs its .metadata read (torch's classes) to be told apart."""
-        if self.pfs.rank == 0 and job.helper is not None and job.helper.alive:
-            try:
-                job.helper.purge_pfs(job.step)
-                return
-            except NeedsTorch:
-                pass
-        self.pfs.purge()
+        helper = job.helper if self.pfs.rank == 0 else None  # the others have nothing to purge
+        by_helper(helper, lambda h: h.purge_pfs(job.step), self.pfs.purge)
 
     def _drain(self, job) -> None:
         t0, cpu0, clock = time.monotonic(), time.thread_time(), PhaseClock()

@@ -43,6 +43,7 @@ so the order between channels does not matter:
          <- ("done", step, the steps removed) | the error ("torch": NeedsTorch)
 """
 
+import bisect
 import collections
 import contextlib
 import ctypes
@@ -66,6 +67,21 @@ _PR_SET_NAME = 15
 _PIECE = 64 << 10  # a datagram's payload: under a socket's default send buffer (208 KiB on Linux)
 CHANNELS = ("copy", "write", "drain")
 TIER_CALLS = ("commit", "retain")  # what the writer asks of the helper's LocalTier
+
+
+def by_helper(helper: "ByteHelper | None", there, here):
+    """`there(helper)` while the byte helper runs, else `here()`; `here()` too when the
+    helper ended during the request (what it did not finish is done again, whole: each
+    such request is one durable batch or a retention pass) or answered NeedsTorch."""
+    if helper is not None and helper.alive:
+        try:
+            return there(helper)
+        except NeedsTorch:
+            pass
+        except OSError:
+            if helper.alive:  # the request failed in the helper: a real error
+                raise
+    return here()
 
 
 def _send(sock: socket.socket, msg: tuple, fds: tuple = ()) -> None:
@@ -155,10 +171,11 @@ class ByteHelper:
         ends = [end for _, end in files._chunks(size)]
 
         def listener(upto: int | None) -> None:
-            if upto is not None and (not ends or upto < ends[0]):
-                return
-            while ends and upto is not None and upto >= ends[0]:
-                ends.pop(0)
+            if upto is not None:
+                passed = bisect.bisect_right(ends, upto)  # the pieces this progress completes
+                if not passed:
+                    return
+                del ends[:passed]
             try:
                 self._call("copy", ("progress", step, upto))
             except OSError:  # the writer's request reports a dead helper
@@ -364,10 +381,10 @@ class _Helper:
     def local_work(self, sock, kind: str, step: int, *args):
         if kind == "part":
             return self.part_write(sock, step, *args)
-        method, call_args = args
-        if kind != "tier" or method not in TIER_CALLS:
-            raise ValueError(f"not a request of the byte helper: {kind} {method}")
-        return getattr(self.local, method)(step, *call_args)
+        if kind == "tier" and args[0] in TIER_CALLS:
+            method, call_args = args
+            return getattr(self.local, method)(step, *call_args)
+        raise ValueError(f"not a request of the byte helper: {kind} {args[:1]}")
 
     def part_write(self, sock, step: int, gen: int, size: int) -> bytes:
         """LocalTier.write_part from the buffer, piece by piece as the copy stages it,

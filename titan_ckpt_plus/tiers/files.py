@@ -34,8 +34,7 @@ def fsync_dir(path: str) -> None:
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    write_durable(path, data)
-    fsync_dir(os.path.dirname(path) or ".")
+    write_batch(os.path.dirname(path) or ".", [(path, data)])
 
 
 def json_bytes(obj) -> bytes:

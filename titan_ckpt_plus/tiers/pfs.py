@@ -55,8 +55,7 @@ from titan_ckpt_plus import staging
 from titan_ckpt_plus.telemetry import PhaseClock
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.metadata_pickle import MetadataPickle
-from titan_ckpt_plus.tiers.pfs_folder import MANIFEST, PfsFolder, _read_owner
-
+from titan_ckpt_plus.tiers.pfs_folder import MANIFEST, PfsFolder, read_owner
 
 
 class CountingReader(FileSystemReader):
@@ -418,7 +417,7 @@ class PfsTier(PfsFolder):
         another job's (its reason then). The same step saved again after a restart must
         not mix two incarnations' files under one .metadata."""
         if os.path.isdir(path):
-            owner = _read_owner(path)
+            owner = read_owner(path)
             if owner not in (None, self.job_id):
                 return f"{path} exists and belongs to job {owner}; not overwritten"
             shutil.rmtree(path)
@@ -470,7 +469,6 @@ class PfsTier(PfsFolder):
         reader = CountingReader(self.step_dir(step))
         dcp.load(state, storage_reader=reader)
         return reader.bytes_read
-
 
 
 def _checksums(path: str, names: list[str]) -> dict:

@@ -87,13 +87,13 @@ class PfsFolder:
             if not self.is_export(s, manifest):
                 out[s] = _owner_in(manifest)
         full = os.path.join(self.folder, FULL_STATE)
-        out.update({s: _read_owner(os.path.join(full, f"step-{s}")) for s in _complete(full)})
+        out.update({s: read_owner(os.path.join(full, f"step-{s}")) for s in _complete(full)})
         return out
 
     def other_jobs_steps(self) -> dict[int, str]:
         """Complete steps and exports whose manifest names another job. An unreadable
         one ("?") is not counted: recovery's checks skip it, and retention keeps it."""
-        owners = self.owners() | {s: _read_owner(self._dir(s)) for s in self.exports()}
+        owners = self.owners() | {s: read_owner(self._dir(s)) for s in self.exports()}
         return {s: o for s, o in owners.items() if o not in (None, "?", self.job_id)}
 
     def purge(self) -> list[int]:
@@ -178,6 +178,6 @@ def _owner_in(manifest: dict | str | None) -> str | None:
     return manifest.get("job_id") if isinstance(manifest, dict) else manifest
 
 
-def _read_owner(path: str) -> str | None:
+def read_owner(path: str) -> str | None:
     """The job id of a step folder's manifest (_owner_in)."""
     return _owner_in(_read_manifest(path))
