@@ -26,11 +26,11 @@ def host() -> str:
     return f"{info.get('model name', 'unknown CPU')}, {vector}, {bf16}, {os.cpu_count()} cores"
 
 
-def update_section(path: Path, title: str, body: str) -> None:
+def update_section(path: Path, title: str, body: str, measured_on: str | None = None) -> None:
     """Replace section `title` (up to the next `## ` heading) with `body` and the host
-    it was measured on, or append it."""
+    it was measured on (this one unless `measured_on` names another), or append it."""
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    block = f"{title}\n\n{body.strip()}\n\nMeasured on: {host()}.\n"
+    block = f"{title}\n\n{body.strip()}\n\nMeasured on: {measured_on or host()}.\n"
     lines = text.splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.rstrip() == title), None)
     if start is None:

@@ -31,8 +31,10 @@ python3 -c "import torch, torchtitan, datasets, tyro; print('torch', torch.__ver
   || echo "[gpu_check] an import failed (above); bench_gpu.py reports each phase anyway"
 [ -f assets/demo/demo_assets.json ] || python3 -m titan_ckpt_plus.demo_assets assets/demo
 # bench_gpu ends its last run within about 60 s of --budget-s; the outer timeout is a backstop.
+# Arguments go to bench_gpu.py (a shorter second call: --no-resume --modes plugin,helper).
+budget=${GPU_BUDGET_S:-370}
 status=0
-timeout 455 python3 scripts/bench_gpu.py --update BENCHMARKS.md --budget-s 370 2>&1 \
+timeout $((budget + 85)) python3 scripts/bench_gpu.py --update BENCHMARKS.md --budget-s "$budget" "$@" 2>&1 \
   | tee "$OUT/gpu_check.log" || status=$?
 cp BENCHMARKS.md "$OUT/"
 exit "$status"

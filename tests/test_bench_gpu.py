@@ -79,3 +79,28 @@ def test_the_table_reads_the_pinned_bytes_from_the_staging_buffers_own_log_line(
     assert bench_gpu._staging_cell(st).startswith("8.0 MiB pinned for 5.0 MiB = 1.600x (by torch")
     assert bench_gpu._staging_ok(dict(st, is_pinned=True)) is False
     assert "| 5. host memory pinned for staging" in bench_gpu.table({"plugin": {"staging": st}})
+
+
+def test_the_stager_mend_lets_stock_pinned_staging_save_a_class_twice(monkeypatch):
+    """Stock `async_with_pinned_mem` closes DCP's stager after each save, which clears
+    its deepcopy table; the next save fails (pytorch/torchtitan#3476). Here the stock
+    sequence fails, and with the bench's mend every save copies the state, a class in
+    it as itself."""
+    import pytest
+    import torch
+    from torch.distributed.checkpoint import _state_dict_stager as sds
+
+    monkeypatch.setattr(sds.StateDictStager, "close", sds.StateDictStager.close)  # undone after the test
+    state = {"t": torch.arange(4.0), "kind": torch.optim.AdamW, "lr": [0.1]}
+    stager = sds.StateDictStager()
+    stager.stage(state)
+    stager.close()
+    with pytest.raises(KeyError, match="type"):
+        stager.stage({"lr": [0.1]})
+    bench_gpu._mend_stager()
+    stager = sds.StateDictStager()
+    for _ in range(3):
+        staged = stager.stage(state)
+        stager.close()
+        assert staged["kind"] is torch.optim.AdamW and torch.equal(staged["t"], state["t"])
+        assert staged["lr"] == [0.1] and staged["lr"] is not state["lr"]

@@ -47,6 +47,19 @@ def test_a_helper_process_where_there_is_no_memfd_is_refused_naming_the_key(tmp_
         config.validate(cfg.checkpoint, cfg.job.dump_folder)
 
 
+def test_async_mode_with_the_tiers_on_is_said_at_start_not_ignored(tmp_path):
+    """torchtitan's async save is not used with the tiers on (they write in the
+    background themselves): the start-up log says so, naming the key and how to
+    silence it; nothing is said where it is disabled or the tiers are off."""
+    assert config.async_mode_note(_parse(tmp_path).checkpoint) is None
+    for mode in ("async", "async_with_pinned_mem"):
+        note = config.async_mode_note(_parse(tmp_path, "--checkpoint.async_mode", mode).checkpoint)
+        assert note.startswith(f'[checkpoint] async_mode = "{mode}" is not used with tier_local = true')
+        assert 'async_mode = "disabled"' in note
+    off = _parse(tmp_path, "--checkpoint.async_mode", "async", "--checkpoint.no-tier-local").checkpoint
+    assert config.async_mode_note(off) is None
+
+
 def test_unknown_key_names_the_key(tmp_path):
     from torchtitan.config import ConfigManager
 

@@ -427,6 +427,12 @@ def test_the_pinned_staging_buffer_is_registered_at_its_own_size_and_unpinned_wh
     first = hb.ensure(n)
     assert calls == [("pin", first.data_ptr(), n)] and first.numel() == n
     assert first.data_ptr() % staging.HUGE_PAGE == 0
+    # torch's is_pinned() asks CUDA about the storage's first byte: the registered one
+    shared = staging.HostBuffer(pin=True, register=register, shared=True)
+    for buf in (first, shared.ensure(n)):
+        assert (buf.untyped_storage().data_ptr(), buf.untyped_storage().nbytes()) == (buf.data_ptr(), n)
+    shared.release()
+    del calls[1:]
     assert hb.ensure(n - 1).data_ptr() == first.data_ptr() and len(calls) == 1  # kept while big enough
     second = hb.ensure(2 * n)
     assert calls[1:] == [("pin", second.data_ptr(), 2 * n), ("unpin", first.data_ptr())]

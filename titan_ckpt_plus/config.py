@@ -207,6 +207,19 @@ def background_nice(ckpt, accelerator: bool) -> int:
     return ckpt.background_nice if ckpt.background_nice >= 0 else (10 if accelerator else 0)
 
 
+def async_mode_note(ckpt) -> str | None:
+    """What becomes of torchtitan's `async_mode` with the tiers on, for the start-up
+    log: the tiers stage every save into host memory and write it in the background
+    themselves, so torchtitan's async save (and its stager) is not used."""
+    mode = str(getattr(ckpt, "async_mode", "disabled"))
+    if not ckpt.tier_local or mode == "disabled":
+        return None
+    return (f'[checkpoint] async_mode = "{mode}" is not used with tier_local = true: every save is '
+            "staged into host memory (pinned on GPUs) and written in the background by the plugin (what "
+            f'"{mode}" asks for); the last step\'s export stays synchronous, as in stock torchtitan. '
+            'To silence this: async_mode = "disabled".')
+
+
 def validate(ckpt, dump_folder: str) -> None:
     """Check the plugin's keys (and the torchtitan keys they interact with).
 

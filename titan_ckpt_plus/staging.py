@@ -301,10 +301,17 @@ def huge_page_buffer(nbytes: int, inherit: bool = True) -> torch.Tensor:
     dataloader worker) does not get the mapping, where Linux would copy every pinned
     page of it into the child at the fork."""
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mm, dtype=torch.uint8)  # holds `mm` alive
-    skip = -raw.data_ptr() % HUGE_PAGE
+    skip = -torch.frombuffer(mm, dtype=torch.uint8).data_ptr() % HUGE_PAGE
     _advise(mm, inherit)
-    return raw[skip : skip + nbytes]
+    return _own_storage(mm, skip, nbytes)
+
+
+def _own_storage(mm: mmap.mmap, offset: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` of `mm` from `offset`, as a tensor whose storage begins where it does
+    (and holds `mm` alive): torch's is_pinned() asks CUDA about the storage's first
+    byte, so a slice of a larger tensor would read as unpinned though its own bytes,
+    the ones registered, are pinned."""
+    return torch.frombuffer(mm, dtype=torch.uint8, offset=offset, count=nbytes)
 
 
 def shared_buffer(nbytes: int, inherit: bool = True) -> tuple[torch.Tensor, int]:
@@ -318,7 +325,7 @@ def shared_buffer(nbytes: int, inherit: bool = True) -> tuple[torch.Tensor, int]
     os.ftruncate(fd, size)
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     _advise(mm, inherit)
-    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], fd
+    return _own_storage(mm, 0, nbytes), fd
 
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one

@@ -123,6 +123,9 @@ class TieredCheckpointManager(_StockManager):
                     + ("; not SCHED_IDLE: a late thread could not leave it, no CAP_SYS_NICE)"
                        if policy_key == "auto" and not settings.background_idle else ")")
                     + ("; local data files written by a helper process" if self.tiered.helper else ""))
+        note = config.async_mode_note(checkpoint_config)
+        if note and rank == 0:
+            logger.info(f"[titan_ckpt_plus] {note}")
         if policy_key == "idle" and not settings.background_idle:
             logger.warning('[titan_ckpt_plus] [checkpoint] background_policy = "idle" cannot be honoured: '
                            "a thread in SCHED_IDLE could not come back when its work is late (needs "
