@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 
-from titan_ckpt_plus import faults, staging
+from titan_ckpt_plus import faults, priority, staging
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers import files
@@ -340,6 +340,38 @@ def _engine(tmp_path, state: dict, pfs_interval: int) -> TieredCheckpointer:
 def _saved(ckpt: TieredCheckpointer, step: int) -> dict:
     layout, data, _ = ckpt.local.read_part(step)  # checked against the manifest's CRC-32C
     return staging.rebuild(staging.StateLayout.from_bytes(layout), torch.frombuffer(data, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not priority.can_leave_idle(), reason="this process may not leave SCHED_IDLE")
+def test_the_helpers_checksum_thread_yields_with_the_ranks_copy_thread(one_rank, tmp_path):
+    """The helper takes a part's CRC-32C on a thread of its own, which the rank puts
+    among its threads in SCHED_IDLE while the work is on time and brings back with
+    them while it is late (its copy thread took that checksum without a helper). The
+    part it checksummed reads back against its manifest. A helper that ended is
+    forgotten: its thread id may be reused."""
+    state = _state(1)
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
+                     local_interval=1, pfs_interval=100, local_keep=5, pfs_keep=3, rank=0, world_size=1,
+                     first_on_node=True, job_id="J", helper_process=True, background_idle=True)
+    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    helper = ckpt.helper
+    try:
+        [tid] = helper.idle_tids
+        with open(f"/proc/{helper.proc.pid}/task/{tid}/comm") as f:
+            assert f.read().strip() == "ckpt-helper-sum"
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        ckpt.save(1)
+        ckpt.wait_for_staging()
+        ckpt.flush()  # the loop waits for the work: nothing to yield to
+        assert helper.served["part"] == 1 and os.sched_getscheduler(tid) == os.SCHED_OTHER
+        back = _saved(ckpt, 1)  # read against the manifest's CRC-32C, the sum thread's
+        assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
+        assert ckpt.background.boundary() == [] and os.sched_getscheduler(tid) == os.SCHED_IDLE
+        helper.proc.kill()
+        helper.proc.wait()
+        assert not ckpt._helper_alive() and tid not in ckpt.background._tids
+    finally:
+        ckpt.close()
 
 
 def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_once_it_is_gone(

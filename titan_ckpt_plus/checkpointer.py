@@ -154,6 +154,8 @@ class TieredCheckpointer:
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
         self.background = priority.IdleWhileOnTime(s.background_idle)
+        if self.helper is not None:  # its checksum thread yields as the copy thread does
+            self.background.adopt(self.helper.idle_tids)
         self.commit_pg = self._background_group()
         # The drain and its group's gloo threads stay in the normal class but while the
         # drain checksums bytes: the rest of its time it waits (the device's flush, two
@@ -214,6 +216,7 @@ class TieredCheckpointer:
             log.warning(f"[titan_ckpt_plus] the byte helper process ended (exit code "
                         f"{self.helper.proc.poll()}); the local writes go on in the training process")
             self.helper.close()
+            self.background.forget(self.helper.idle_tids)
             self.helper = None
         return self.helper is not None
 

@@ -111,8 +111,8 @@ class IdleWhileOnTime:
 
     def adopt(self, tids) -> None:
         """Threads started elsewhere for the checkpointer's work (a background process
-        group's gloo threads): they move with its own threads. They live as long as the
-        process."""
+        group's gloo threads, the byte helper's checksum thread): they move with its own
+        threads, until forgotten."""
         if not self.enabled:
             return
         with self._lock:
@@ -122,9 +122,12 @@ class IdleWhileOnTime:
 
     def leave(self) -> None:
         """On a checkpointer thread, as it ends: its tid may be reused elsewhere."""
+        self.forget([threading.get_native_id()])
+
+    def forget(self, tids) -> None:
+        """Threads that ended, or whose process did: their tids may be reused."""
         with self._lock:
-            if threading.get_native_id() in self._tids:
-                self._tids.remove(threading.get_native_id())
+            self._tids = [t for t in self._tids if t not in tids]
 
     @contextlib.contextmanager
     def yielding(self):

@@ -23,7 +23,8 @@ Three channels (AF_UNIX SOCK_SEQPACKET pairs), one per thread of the rank that t
 to it and one thread of the helper each, so a slow PFS never holds up a local write or
 a take-back. Each message is a pickled tuple; what the helper is told is keyed by step,
 so the order between channels does not matter:
-  copy   -> ("tiers", 0, LocalTier's arguments, PfsFolder's)  the rank's tiers, once
+  copy   <- ("ready", rank, [tid])            at start: its checksum thread, for the rank's SCHED_IDLE set
+         -> ("tiers", 0, LocalTier's arguments, PfsFolder's)  the rank's tiers, once
          <- ("attached", 0)
          -> ("buffer", gen, size) + memfd   the staging buffer, generation `gen`
          -> ("progress", step, upto)        step's first `upto` bytes staged (None: the copy failed)
@@ -133,7 +134,8 @@ class ByteHelper:
         self._open = True
         self.served = collections.Counter()  # requests it did, by kind
         try:
-            self._expect("copy", ("ready",), os.getpid())
+            # its checksum thread: the rank runs it in SCHED_IDLE while on time, as its copy thread
+            self.idle_tids: list[int] = self._expect("copy", ("ready",), os.getpid())[2]
         except OSError:
             self.close()
             raise
@@ -302,6 +304,7 @@ class _Helper:
     retention) and the drain's (one file at a time)."""
 
     def __init__(self, socks: list[socket.socket], parent: int) -> None:
+        self.sums = _StagedSums(self)
         self.socks = dict(zip(CHANNELS, socks))
         self.parent = parent  # the rank: what a kill fault kills
         self.local: LocalTier | None = None  # the rank's, once attached
@@ -317,7 +320,7 @@ class _Helper:
             threading.Thread(target=self.serve, args=(self.socks[name], work, f"ckpt-helper-{name}"),
                              daemon=True).start()
         sock = self.socks["copy"]
-        _send(sock, ("ready", self.parent))
+        _send(sock, ("ready", self.parent, [self.sums.thread.native_id]))
         while (msg := _recv(sock))[0] is not None:  # EOF: the rank closed it, or died
             self.note(sock, *msg)
 
@@ -388,10 +391,10 @@ class _Helper:
 
     def part_write(self, sock, step: int, gen: int, size: int) -> bytes:
         """LocalTier.write_part from the buffer, piece by piece as the copy stages it,
-        checksummed here (so the training process's copy thread only copies); its
-        layout and manifest fields come as the writer's next message, which is read
-        even if the data's write failed."""
-        described = []
+        checksummed here by the sum thread (so the training process's copy thread only
+        copies); its layout and manifest fields come as the writer's next message,
+        which is read even if the data's write failed."""
+        described, job = [], None
 
         def describe():
             msg, _ = _recv(sock)
@@ -408,9 +411,14 @@ class _Helper:
 
         try:
             self.wait_staged(step, min(1, size))  # a copy that failed first never shared its buffer
-            raw, _ = self.local.write_part(step, self.view(gen)[:size], describe, on_chunk=on_chunk,
-                                           before_chunk=lambda end: self.wait_staged(step, end))
+            data = self.view(gen)[:size]
+            job = self.sums.submit(step, data)
+            raw, _ = self.local.write_part(step, data, describe, on_chunk=on_chunk,
+                                           before_chunk=lambda end: self.wait_staged(step, end),
+                                           known_crc=job.result)
         finally:
+            if job is not None:  # the next write forgets this step's progress, which the sum waits on
+                job.done.wait()
             if not described:  # the writer sends it all the same; an error is the one above
                 with contextlib.suppress(RuntimeError):
                     describe()
@@ -447,6 +455,64 @@ class _Helper:
                                  on_piece=lambda: faults.maybe_delay("slow_pfs_copy", step, 0.1))
         upto = switch[0]
         return entry, sum(b - a if upto is None else max(0, min(b, upto) - a) for a, b in spans)
+
+
+class _StagedSum:
+    """One part's checksum, taken by the sum thread."""
+
+    def __init__(self, step: int, data: memoryview) -> None:
+        self.step, self.data = step, data
+        self.crc: int | None = None
+        self.error: Exception | None = None
+        self.done = threading.Event()
+
+    def result(self) -> int:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.crc
+
+
+class _StagedSums:
+    """The CRC-32C of each part's bytes as the copy stages them, on a thread of its
+    own: the rank adopts it among its threads in SCHED_IDLE while on time (priority.
+    IdleWhileOnTime), where it took that checksum on its copy thread; the write
+    thread stays in the normal class, as the rank's writer does."""
+
+    def __init__(self, helper: "_Helper") -> None:
+        self.helper = helper
+        self.jobs: list[_StagedSum] = []
+        self.cv = threading.Condition()
+        named = threading.Event()
+        self.thread = threading.Thread(target=self.run, args=(named,), daemon=True)
+        self.thread.start()
+        named.wait()  # the rank is told its tid next: the kernel then shows its name
+
+    def submit(self, step: int, data: memoryview) -> _StagedSum:
+        job = _StagedSum(step, data)
+        with self.cv:
+            self.jobs.append(job)
+            self.cv.notify()
+        return job
+
+    def run(self, named: threading.Event) -> None:
+        _name_thread("ckpt-helper-sum")
+        named.set()
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.jobs)
+                job = self.jobs.pop(0)
+            try:
+                crc = 0
+                for lo, hi in files._chunks(len(job.data)):
+                    self.helper.wait_staged(job.step, hi)
+                    crc = files.checksum(job.data[lo:hi], crc)
+                job.crc = crc
+            except Exception as e:  # staging failed: the write fails with it
+                job.error = e
+            finally:
+                job.data = None  # a buffer replaced since goes once no view holds it
+                job.done.set()
 
 
 def _name_thread(name: str) -> None:
