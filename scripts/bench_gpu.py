@@ -49,12 +49,12 @@ from harness import ckpt_events, losses, torchrun  # noqa: E402
 SECTION = "## GPU"
 WORKER_ENV = "TITAN_CKPT_BENCH_GPU"  # the worker's plan, as JSON
 PLUGIN = ["--checkpoint.local_interval=1", "--checkpoint.interval=1000000"]
-MODES = {  # the plugin and its baseline first: the targets need both
+MODES = {  # the plugin and its baselines first: the targets need them; the helper last
     "plugin": PLUGIN,
-    "helper": [*PLUGIN, "--checkpoint.helper_process"],
     "async_with_pinned_mem": ["--checkpoint.no-tier-local", "--checkpoint.async_mode=async_with_pinned_mem",
                               "--checkpoint.interval=1"],
     "async": ["--checkpoint.no-tier-local", "--checkpoint.async_mode=async", "--checkpoint.interval=1"],
+    "helper": [*PLUGIN, "--checkpoint.helper_process"],
 }
 # flavor, seq_len, local batch; warm-up steps; saves per run (the first a warm-up)
 GPU = {"flavor": "1B", "seq": 2048, "batch": 2, "warmup": 3, "saves": 3}
@@ -415,6 +415,10 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES), help=f"which of {', '.join(MODES)} to run")
     ap.add_argument("--no-resume", action="store_true", help="skip the bit-exact resume check")
     args = ap.parse_args()
+    wanted = args.modes.split(",")
+    unknown = set(wanted) - set(MODES)
+    if unknown:  # before any device time is spent
+        sys.exit(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
     if args.apply:
         body = args.apply.read_text()
         if not body.startswith("Machine: "):
@@ -445,10 +449,6 @@ def main() -> None:
     else:
         _phase(results, "resume", resume_check, base, 120)
     _phase(results, "limits", limits, base, (1 << 30) if cuda else (64 << 20), cuda)
-    wanted = args.modes.split(",")
-    unknown = set(wanted) - set(MODES)
-    if unknown:
-        sys.exit(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
     modes = [m for m in MODES if m in wanted and (cuda or m != "async_with_pinned_mem")]
     if not cuda and "async_with_pinned_mem" in wanted:
         results["async_with_pinned_mem"] = "not run on CPU (its staging pins memory through CUDA)"

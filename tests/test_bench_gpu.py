@@ -83,10 +83,9 @@ def test_the_table_reads_the_pinned_bytes_from_the_staging_buffers_own_log_line(
 
 def test_the_stager_mend_lets_stock_pinned_staging_save_a_class_twice(monkeypatch):
     """Stock `async_with_pinned_mem` closes DCP's stager after each save, which clears
-    its deepcopy table; the next save fails (pytorch/torchtitan#3476). Here the stock
-    sequence fails, and with the bench's mend every save copies the state, a class in
-    it as itself."""
-    import pytest
+    its deepcopy table; the next save fails (pytorch/torchtitan#3476; torch 2.11's stager
+    closes itself after every stage). Here that sequence fails where this torch has the
+    bug, and with the bench's mend every save copies the state, a class in it as itself."""
     import torch
     from torch.distributed.checkpoint import _state_dict_stager as sds
 
@@ -95,8 +94,10 @@ def test_the_stager_mend_lets_stock_pinned_staging_save_a_class_twice(monkeypatc
     stager = sds.StateDictStager()
     stager.stage(state)
     stager.close()
-    with pytest.raises(KeyError, match="type"):
+    try:  # torch 2.11 to 2.13; a torch that fixed it stages here too
         stager.stage({"lr": [0.1]})
+    except KeyError as e:
+        assert "type" in str(e)
     bench_gpu._mend_stager()
     stager = sds.StateDictStager()
     for _ in range(3):

@@ -342,6 +342,11 @@ def _saved(ckpt: TieredCheckpointer, step: int) -> dict:
     return staging.rebuild(staging.StateLayout.from_bytes(layout), torch.frombuffer(data, dtype=torch.uint8))
 
 
+def _on_cpu_ns(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
 @pytest.mark.skipif(not priority.can_leave_idle(), reason="this process may not leave SCHED_IDLE")
 def test_the_helpers_checksum_thread_yields_with_the_ranks_copy_thread(one_rank, tmp_path):
     """The helper takes a part's CRC-32C on a thread of its own, which the rank puts
@@ -360,9 +365,11 @@ def test_the_helpers_checksum_thread_yields_with_the_ranks_copy_thread(one_rank,
         with open(f"/proc/{helper.proc.pid}/task/{tid}/comm") as f:
             assert f.read().strip() == "ckpt-helper-sum"
         assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        on_cpu = _on_cpu_ns(helper.proc.pid, tid)
         ckpt.save(1)
         ckpt.wait_for_staging()
         ckpt.flush()  # the loop waits for the work: nothing to yield to
+        assert _on_cpu_ns(helper.proc.pid, tid) > on_cpu  # the checksum ran there
         assert helper.served["part"] == 1 and os.sched_getscheduler(tid) == os.SCHED_OTHER
         back = _saved(ckpt, 1)  # read against the manifest's CRC-32C, the sum thread's
         assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())

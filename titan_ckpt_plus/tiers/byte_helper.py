@@ -496,8 +496,10 @@ class _StagedSums:
         return job
 
     def run(self, named: threading.Event) -> None:
-        _name_thread("ckpt-helper-sum")
-        named.set()
+        try:
+            _name_thread("ckpt-helper-sum")
+        finally:  # the helper's start waits for it
+            named.set()
         while True:
             with self.cv:
                 self.cv.wait_for(lambda: self.jobs)
