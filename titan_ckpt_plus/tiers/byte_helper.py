@@ -52,11 +52,13 @@ import errno
 import mmap
 import os
 import pickle
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
+from concurrent import futures
 
 from titan_ckpt_plus import faults, priority
 from titan_ckpt_plus.tiers import files
@@ -418,7 +420,7 @@ class _Helper:
                                            known_crc=job.result)
         finally:
             if job is not None:  # the next write forgets this step's progress, which the sum waits on
-                job.done.wait()
+                futures.wait([job])
             if not described:  # the writer sends it all the same; an error is the one above
                 with contextlib.suppress(RuntimeError):
                     describe()
@@ -457,22 +459,6 @@ class _Helper:
         return entry, sum(b - a if upto is None else max(0, min(b, upto) - a) for a, b in spans)
 
 
-class _StagedSum:
-    """One part's checksum, taken by the sum thread."""
-
-    def __init__(self, step: int, data: memoryview) -> None:
-        self.step, self.data = step, data
-        self.crc: int | None = None
-        self.error: Exception | None = None
-        self.done = threading.Event()
-
-    def result(self) -> int:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.crc
-
-
 class _StagedSums:
     """The CRC-32C of each part's bytes as the copy stages them, on a thread of its
     own: the rank adopts it among its threads in SCHED_IDLE while on time (priority.
@@ -481,19 +467,17 @@ class _StagedSums:
 
     def __init__(self, helper: "_Helper") -> None:
         self.helper = helper
-        self.jobs: list[_StagedSum] = []
-        self.cv = threading.Condition()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         named = threading.Event()
         self.thread = threading.Thread(target=self.run, args=(named,), daemon=True)
         self.thread.start()
         named.wait()  # the rank is told its tid next: the kernel then shows its name
 
-    def submit(self, step: int, data: memoryview) -> _StagedSum:
-        job = _StagedSum(step, data)
-        with self.cv:
-            self.jobs.append(job)
-            self.cv.notify()
-        return job
+    def submit(self, step: int, data: memoryview) -> futures.Future:
+        """The CRC-32C of `data`, step's staged bytes, once they are staged."""
+        out: futures.Future = futures.Future()
+        self.jobs.put((step, data, out))
+        return out
 
     def run(self, named: threading.Event) -> None:
         try:
@@ -501,20 +485,16 @@ class _StagedSums:
         finally:  # the helper's start waits for it
             named.set()
         while True:
-            with self.cv:
-                self.cv.wait_for(lambda: self.jobs)
-                job = self.jobs.pop(0)
+            step, data, out = self.jobs.get()
             try:
                 crc = 0
-                for lo, hi in files._chunks(len(job.data)):
-                    self.helper.wait_staged(job.step, hi)
-                    crc = files.checksum(job.data[lo:hi], crc)
-                job.crc = crc
+                for lo, hi in files._chunks(len(data)):
+                    self.helper.wait_staged(step, hi)
+                    crc = files.checksum(data[lo:hi], crc)
+                out.set_result(crc)
             except Exception as e:  # staging failed: the write fails with it
-                job.error = e
-            finally:
-                job.data = None  # a buffer replaced since goes once no view holds it
-                job.done.set()
+                out.set_exception(e)
+            del data  # a buffer replaced since goes once no view holds it
 
 
 def _name_thread(name: str) -> None:
