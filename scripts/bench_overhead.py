@@ -752,6 +752,7 @@ def drain_paths(nbytes: int, folder: Path) -> dict:
     from titan_ckpt_plus.drain import PartSource
     from titan_ckpt_plus.tiers.local import LocalTier
     from titan_ckpt_plus.tiers.pfs import PfsTier
+    from titan_ckpt_plus.votes import GlooVotes
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     pg = dist.new_group(backend="gloo")
@@ -771,7 +772,7 @@ def drain_paths(nbytes: int, folder: Path) -> dict:
         out["dcp_save_s"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         source = PartSource(layout.total_bytes, None, *local.data_file(3))  # the file: the slower way
-        pfs.save(3 + i, layout, specs, source, pg)
+        pfs.save(3 + i, layout, specs, source, GlooVotes(pg))
         out["copy_s"].append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with open(src, "rb") as f, open(folder / f"kernel{i}", "wb") as g:

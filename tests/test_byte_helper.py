@@ -384,9 +384,10 @@ def test_the_helpers_checksum_thread_yields_with_the_ranks_copy_thread(one_rank,
 def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_once_it_is_gone(
         one_rank, tmp_path):
     """Every save's part and every PFS step, their bytes moved by the helper, load back
-    bit for bit (the PFS step by dcp.load); the state grows (a new buffer is shared); a
-    helper killed between saves leaves the next save and drain to the training
-    process, committed all the same."""
+    bit for bit (the PFS step by dcp.load); the state grows (a new buffer is shared); the
+    votes and the drain's agreements go through the hub, by the helper; a helper killed
+    between saves leaves the next save, drain and exchanges to the training process,
+    committed all the same."""
     state = {}
     ckpt = _engine(tmp_path, state, pfs_interval=2)
     helper = ckpt.helper
@@ -398,8 +399,11 @@ def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_o
                 state["model"]["grown"] = torch.ones(1 << 20)
             if step == 4:
                 # three parts, each committed and retained; step 2's PFS file, its manifest and
-                # .metadata, and PFS retention after it
-                assert helper.served == {"part": 3, "commit": 3, "retain": 3, "copy": 1, "files": 1, "purge": 1}
+                # .metadata, and PFS retention after it; three votes, the drain's start and
+                # gather, through the hub it joined
+                assert helper.served == {"part": 3, "commit": 3, "retain": 3, "copy": 1, "files": 1, "purge": 1,
+                                         "exchange": 5, "hub": 1}
+                assert ckpt.votes.member.sock is None and ckpt.drain.votes.member.sock is None
                 helper.proc.kill()
                 helper.proc.wait()
             ckpt.save(step)
@@ -417,6 +421,7 @@ def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_o
         assert ckpt.stats.saves == 4 and ckpt.stats.drains == 2
         assert ckpt.stats.failed_saves == ckpt.stats.failed_drains == 0
         assert ckpt.helper is None  # the fourth save went on in this process
+        assert ckpt.votes.member.sock is not None and ckpt.drain.votes.member.sock is not None
     finally:
         ckpt.close()
 
@@ -438,7 +443,7 @@ def test_a_commit_marker_or_pfs_file_the_helper_did_not_finish_is_written_here(o
         ckpt.save(1)
         ckpt.flush()
         assert ckpt.local.committed_steps() == [1] and ckpt.stats.failed_saves == 0
-        assert helper.served == {"part": 1} and not helper.alive
+        assert helper.served == {"part": 1, "hub": 1, "exchange": 1} and not helper.alive
         folder = tmp_path / "pfs" / "step-1"
         folder.mkdir(parents=True)
         ckpt._pfs_batch(str(folder), [(str(folder / "m"), b"manifest")])
@@ -471,5 +476,57 @@ def test_a_helper_that_dies_mid_write_fails_that_save_alone(one_rank, tmp_path, 
         back = _saved(ckpt, 3)
         assert all(torch.equal(back["model"][k], v) for k, v in state["model"].items())
         assert helper.served["part"] == 1 and not helper.alive
+    finally:
+        ckpt.close()
+
+
+def test_with_the_helper_the_training_process_runs_no_collective_during_a_save_or_a_drain(
+        one_rank, tmp_path, monkeypatch):
+    """Once a layout's first drain is planned (DCP's own collectives), a save's vote and
+    a drain's start and gather go through the hub, made by the helper: every torch
+    collective fails from then on, and the saves and drains commit all the same."""
+    state = _state(1)
+    ckpt = _engine(tmp_path, state, pfs_interval=2)
+    try:
+        for step in (1, 2):
+            ckpt.save(step)
+            ckpt.flush()
+
+        def no_collective(*_a, **_k):
+            raise AssertionError("a collective in the training process")
+        for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
+                     "gather_object", "scatter_object_list", "barrier"):
+            monkeypatch.setattr(dist, name, no_collective)
+        for step in (3, 4, 5, 6):
+            state.update(_state(step))
+            ckpt.save(step)
+            ckpt.flush()
+        assert ckpt.stats.saves == 6 and ckpt.stats.drains == 3
+        assert ckpt.stats.failed_saves == ckpt.stats.failed_drains == 0
+        assert ckpt.helper.served["exchange"] == 6 + 2 * 3  # a vote a save, two exchanges a drain
+        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(6), no_dist=True)
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    finally:
+        monkeypatch.undo()
+        ckpt.close()
+
+
+def test_a_save_the_hub_cannot_agree_on_fails_alone_and_training_goes_on(one_rank, tmp_path, caplog):
+    """The hub ended (killed): the next save's vote cannot be decided, so that save
+    fails, logged with the reason and counted, and the older step stays."""
+    state = _state(1)
+    ckpt = _engine(tmp_path, state, pfs_interval=1000)
+    try:
+        ckpt.save(1)
+        ckpt.flush()
+        ckpt.hub.proc.kill()
+        ckpt.hub.proc.wait()
+        state.update(_state(2))
+        ckpt.save(2)
+        ckpt.flush()
+        assert ckpt.stats.saves == 1 and ckpt.stats.failed_saves == 1
+        assert ckpt.local.committed_steps() == [1]
+        assert "the commit vote" in caplog.text and "hub" in caplog.text
     finally:
         ckpt.close()

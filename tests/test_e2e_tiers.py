@@ -147,8 +147,9 @@ def test_local_steps_of_another_layout_and_no_pfs_step_refuse_to_start_over(refe
 
 
 def _helpers_left(work: Path, wait_s: float = 5.0) -> list[int]:
-    """The byte helper processes of the runs in `work` (their environment names its loss
-    log) still alive after `wait_s`: none once their ranks are gone (PR_SET_PDEATHSIG)."""
+    """The byte helper and hub processes of the runs in `work` (their environment names
+    its loss log) still alive after `wait_s`: none once their ranks are gone
+    (PR_SET_PDEATHSIG)."""
     deadline = time.monotonic() + wait_s
     while True:
         left = []
@@ -162,7 +163,8 @@ def _helpers_left(work: Path, wait_s: float = 5.0) -> list[int]:
                     zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
             except OSError:
                 continue
-            if b"titan_ckpt_plus.tiers.byte_helper" in cmd and str(work).encode() in env and not zombie:
+            ours = b"titan_ckpt_plus.tiers.byte_helper" in cmd or b"titan_ckpt_plus.tiers.hub" in cmd
+            if ours and str(work).encode() in env and not zombie:
                 left.append(int(pid))
         if not left or time.monotonic() > deadline:
             return left
@@ -171,14 +173,17 @@ def _helpers_left(work: Path, wait_s: float = 5.0) -> list[int]:
 
 def test_with_helper_processes_a_kill_in_a_helpers_write_resumes_bit_exact(reference, tmp_path):
     """[checkpoint] helper_process = true: each rank's local files and PFS copies are
-    written by its helper process. A kill injected in rank 1's helper while it writes
-    step 8 kills rank 1 (the fault keeps its meaning); no helper outlives its rank; the
-    restart, helpers on, resumes bit for bit from step 6 and drains on."""
+    written by its helper process, and the ranks agree on them through the job's hub.
+    A kill injected in rank 1's helper while it writes step 8 kills rank 1 (the fault
+    keeps its meaning); no helper or hub outlives its rank; the restart, helpers on,
+    resumes bit for bit from step 6 and drains on."""
     _killed(torchrun(tmp_path, "--checkpoint.helper_process", fault="kill_during_local_write@8:1",
                      loss_log="run1.jsonl"))
     commits = ckpt_events(tmp_path, "local_commit")
     assert [e["step"] for e in commits] == [2, 4, 6] and all(e["by_helper"] for e in commits)
-    assert [(e["step"], e["by_helper"]) for e in ckpt_events(tmp_path, "pfs_commit")] == [(4, True)]
+    assert all(e["agreed_by"] == "hub" for e in commits)
+    assert [(e["step"], e["by_helper"], e["agreed_by"]) for e in ckpt_events(tmp_path, "pfs_commit")] == [
+        (4, True, "hub")]
     assert _helpers_left(tmp_path) == []
     ok(torchrun(tmp_path, "--checkpoint.helper_process", loss_log="run2.jsonl"))
     rec = _recovery(tmp_path)

@@ -23,6 +23,7 @@ from titan_ckpt_plus.tiers import files, pfs as pfs_mod
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers.pfs import MANIFEST, PfsTier
+from titan_ckpt_plus.votes import GlooVotes
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def _drain(pfs, local, step, layout, specs, pg, staged=None):
         source = PartSource(layout.total_bytes, staged)
     else:
         source = PartSource(layout.total_bytes, staged, *local.data_file(step))
-    return pfs.save(step, layout, specs, source, pg)
+    return pfs.save(step, layout, specs, source, GlooVotes(pg))
 
 
 def _check_equal(back, want):
@@ -352,7 +353,7 @@ def test_a_drain_times_its_phases(pg, tmp_path):
     for step in (4, 5):
         layout, specs, _ = _stage_and_write(local, step, _state(step))
         clock = PhaseClock()
-        pfs.save(step, layout, specs, PartSource(layout.total_bytes, None, *local.data_file(step)), pg, clock=clock)
+        pfs.save(step, layout, specs, PartSource(layout.total_bytes, None, *local.data_file(step)), GlooVotes(pg), clock=clock)
         assert all(w >= 0 and c >= 0 for w, c in clock.phases.values())
         seen.append(set(clock.phases))
     assert seen[0] == {"clear", "items", "copy", "dcp_save"}

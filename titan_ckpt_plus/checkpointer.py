@@ -40,9 +40,13 @@ from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.local import LocalTier
-from titan_ckpt_plus.tiers.pfs import PfsTier, agree, all_ranks
+from titan_ckpt_plus.tiers.hub import HubInfo, HubProcess
+from titan_ckpt_plus.tiers.pfs import PfsTier, agree
+from titan_ckpt_plus.votes import GlooVotes, HubVotes
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
+
+HUB_TIMEOUT_S = 1800.0  # an exchange through the hub times out as a gloo group does by default
 
 
 @dataclass
@@ -157,14 +161,23 @@ class TieredCheckpointer:
         if self.helper is not None:  # its checksum thread yields as the copy thread does
             self.background.adopt(self.helper.idle_tids)
         self.commit_pg = self._background_group()
+        self.hub: HubProcess | None = None  # rank 0's, with helper_process
+        hub = self._join_hub() if s.helper_process else None
         # The drain and its group's gloo threads stay in the normal class but while the
         # drain checksums bytes: the rest of its time it waits (the device's flush, two
         # small collectives), and in SCHED_IDLE each wake-up waited for a free core, which
         # made debugmodel's drain 1.7x its disk bound against 1.3x, the steps the same
         # (BENCHMARKS.md, overhead).
+        drain_pg = self._background_group(idle=False)
+        # The writer's vote and the drain's agreements (votes.py): through the hub by the
+        # helpers, or gloo collectives on the two threads' own groups.
+        self.votes, drain_votes = (
+            (HubVotes("write", hub, s.rank, self._hub_helper, self.commit_pg),
+             HubVotes("drain", hub, s.rank, self._hub_helper, drain_pg)) if hub
+            else (GlooVotes(self.commit_pg), GlooVotes(drain_pg)))
         self.drain = PfsDrain(self.local, self.pfs, self.stats, events,
                               lambda target, name: self._background(target, name, idle=False),
-                              self._background_group(idle=False), self.record_failure, self._drained,
+                              drain_votes, self.record_failure, self._drained,
                               self._info, yielding=self.background.yielding)
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
         self.policy = policy  # adaptive: sets the intervals; else only compared with them
@@ -208,6 +221,31 @@ class TieredCheckpointer:
             log.warning(f"[titan_ckpt_plus] [checkpoint] helper_process = true: the helper process did not "
                         f"start ({e!r}); the local writes stay in the training process")
             return None
+
+    def _join_hub(self) -> HubInfo | None:
+        """Collective, at start-up (helper_process): rank 0 starts the job's hub and
+        every rank learns where it is (None on every rank if it did not start: the
+        agreements stay gloo collectives); this rank's helper joins it."""
+        box: list = [None]
+        if self.s.rank == 0:
+            try:
+                self.hub = HubProcess(self.s.world_size, HUB_TIMEOUT_S)
+                box[0] = self.hub.info
+            except OSError as e:
+                log.warning(f"[titan_ckpt_plus] {e}; the ranks agree on saves by gloo collectives instead")
+        dist.broadcast_object_list(box, src=0, group=self.commit_pg)
+        if box[0] is not None and self.helper is not None:
+            try:
+                self.helper.join_hub(box[0], self.s.rank)
+            except OSError as e:  # this rank's exchanges go from this process instead
+                log.warning(f"[titan_ckpt_plus] the byte helper could not join the hub ({e}); this rank "
+                            f"exchanges from the training process")
+        return box[0]
+
+    def _hub_helper(self) -> ByteHelper | None:
+        """The byte helper that makes this rank's exchanges, if it runs and joined the hub."""
+        helper = self.helper
+        return helper if helper is not None and helper.hub_joined else None
 
     def _helper_alive(self) -> bool:
         """Whether the byte helper takes the next write; one that ended (killed, out
@@ -463,6 +501,11 @@ class TieredCheckpointer:
         self.drain.close()
         if self.helper is not None:
             self.helper.close()
+        if isinstance(self.votes, HubVotes):
+            self.votes.close()
+            self.drain.votes.close()
+        if self.hub is not None:
+            self.hub.close()
         self.buffer.release()
         if self._ended:
             self.pfs.release_spares()
@@ -602,9 +645,13 @@ class TieredCheckpointer:
                 self._loans.append(job.loan)
         if job.loan is None or job.loan.reclaimable:
             self._buffer_free.set()
-        # Every rank reaches this all-reduce, failed or not, so the groups stay in step.
-        committed, drainable = all_ranks([job.ok, own is not None or job.loan is not None],
-                                         self.commit_pg)
+        # Every rank reaches this vote, failed or not, so the groups stay in step.
+        try:
+            committed, drainable = self.votes.all_ranks([job.ok, own is not None or job.loan is not None],
+                                                        job.step)
+        except Exception as e:  # the hub could not decide (on every rank), or the group broke: none commits
+            self.record_failure("local", job.step, f"the commit vote: {e}")
+            job.ok = committed = drainable = False
         clock.mark("vote")
         if not committed:
             if job.ok:
@@ -635,7 +682,7 @@ class TieredCheckpointer:
                                staging_s=job.staging_s, background_write_s=write_s,
                                time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
                                staging_cpu_s=job.staging_cpu_s, phases=clock.phases,
-                               by_helper=helper is not None)
+                               by_helper=helper is not None, agreed_by=self.votes.kind)
         if job.pfs_due:
             self._drain(job)
         try:

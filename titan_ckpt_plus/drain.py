@@ -1,7 +1,7 @@
 """The PFS drain: committed local steps -> torchtitan's DCP layout on the PFS.
 
 One background thread, its own gloo group (its collectives never interleave with the
-writer's or training's), at background priority: in the normal class, as the writer,
+writer's or training's) or its own stream through the hub (votes.py), at background priority: in the normal class, as the writer,
 but in SCHED_IDLE (where the policy says) while it checksums bytes. The committed
 local part is already a DCP data file (staging.py), so the drain is a copy
 (`PfsTier.save`, PartCopyWriter) of the items DCP's planner gives this rank; DCP plans
@@ -109,13 +109,15 @@ class PfsDrain:
     and what to do with a step once its drain is over (drop an uncommitted one, free
     the staging buffer it held)."""
 
-    def __init__(self, local: LocalTier, pfs: PfsTier, stats, events, start_thread: Callable, pg,
+    def __init__(self, local: LocalTier, pfs: PfsTier, stats, events, start_thread: Callable, votes,
                  failed: Callable, done: Callable, info: Callable,
                  yielding: Callable = contextlib.nullcontext) -> None:
         self.local, self.pfs, self.stats, self.events = local, pfs, stats, events
         self._failed, self._done, self._info = failed, done, info
         self._yielding = yielding  # PartSource's
-        self.pg = pg  # its own gloo group: its collectives never interleave with others'
+        # how the ranks agree (votes.py): its own gloo group, its collectives never
+        # interleaved with others', or its own stream through the hub
+        self.votes = votes
         self.steps: set[int] = set()  # queued or in flight: retention keeps them
         self.last_seconds = 0.0
         self._q: queue.Queue = queue.Queue()
@@ -168,7 +170,7 @@ class PfsDrain:
             source, why = None, repr(e)
         clock.mark("source")
         try:  # collective: every rank goes in, its part readable or not
-            nbytes = self.pfs.save(job.step, job.layout, job.specs, source, self.pg,
+            nbytes = self.pfs.save(job.step, job.layout, job.specs, source, self.votes,
                                    before_write=lambda: faults.maybe_kill("kill_during_pfs_write", job.step),
                                    beside_export=job.beside_export, clock=clock, why=why)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -185,6 +187,6 @@ class PfsDrain:
             log.warning(f"[titan_ckpt_plus] PFS retention failed: {e!r}")
         clock.mark("purge")
         self.events.record("pfs_commit", step=job.step, tier="pfs", bytes=nbytes,
-                           by_helper=bool(source and source.by_helper),
+                           by_helper=bool(source and source.by_helper), agreed_by=self.votes.kind,
                            background_write_s=self.last_seconds, cpu_s=time.thread_time() - cpu0,
                            drain_lag_steps=self.stats.last_committed - job.step, phases=clock.phases)

@@ -26,6 +26,8 @@ so the order between channels does not matter:
   copy   <- ("ready", rank, [tid])            at start: its checksum thread, for the rank's SCHED_IDLE set
          -> ("tiers", 0, LocalTier's arguments, PfsFolder's)  the rank's tiers, once
          <- ("attached", 0)
+         -> ("hub", 0, HubInfo, rank)       the job's hub (tiers/hub.py): join it
+         <- ("joined", 0) | ("error", 0, ...)
          -> ("buffer", gen, size) + memfd   the staging buffer, generation `gen`
          -> ("progress", step, upto)        step's first `upto` bytes staged (None: the copy failed)
          -> ("take_back", step)             the buffer is about to be overwritten
@@ -36,6 +38,9 @@ so the order between channels does not matter:
          <- ("done", step, manifest bytes) | ("error", step, kind, errno, text)
          -> ("tier", step, method, args)    LocalTier.commit or .retain
          <- ("done", step, its result) | the error
+         -> ("exchange", key, object)       every rank's object for `key`, through the hub
+         <- ("done", key, [objects]) | the error   (the writer's vote; the drain's start
+                                            and gather on the drain channel)
   drain  -> ("copy", step, gen, path, reuse, spans, tail, file, expect, crc)
          <- ("done", step, (entry, bytes read from the buffer)) | the error
          -> ("files", folder, [(path, bytes)])  a PFS step's manifest and .metadata
@@ -62,6 +67,7 @@ from concurrent import futures
 
 from titan_ckpt_plus import faults, priority
 from titan_ckpt_plus.tiers import files
+from titan_ckpt_plus.tiers.hub import STREAMS, HubInfo, HubMember
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs_folder import NeedsTorch, PfsFolder
 
@@ -135,6 +141,7 @@ class ByteHelper:
         self._shared: tuple | None = None
         self._open = True
         self.served = collections.Counter()  # requests it did, by kind
+        self.hub_joined = False  # its streams are connected to the job's hub (join_hub)
         try:
             # its checksum thread: the rank runs it in SCHED_IDLE while on time, as its copy thread
             self.idle_tids: list[int] = self._expect("copy", ("ready",), os.getpid())[2]
@@ -166,6 +173,17 @@ class ByteHelper:
                             pfs and (pfs.folder, pfs.rank, pfs.world_size, pfs.keep_latest_k, pfs.job_id,
                                      pfs.reuse_files)))
         self._expect("copy", ("attached",), 0)
+
+    def join_hub(self, info: HubInfo, rank: int) -> None:
+        """Connect the helper's streams to the job's hub (at start-up), so the writer's
+        and the drain's exchanges go through it. Raises OSError if it could not."""
+        self._request("copy", ("hub", 0, info, rank))
+        self.hub_joined = True
+
+    def exchange(self, channel: str, key: tuple, obj) -> list:
+        """Every rank's object for exchange `key`, through the hub, by the helper (on
+        the calling thread's channel): this thread only waits for the reply."""
+        return self._request(channel, ("exchange", key, obj))
 
     def progress(self, step: int, size: int):
         """A StagingProgress listener for step's `size` bytes: tells the helper how many
@@ -316,6 +334,7 @@ class _Helper:
         self.staged: dict[int, int | None] = {}  # step -> bytes staged (None: failed)
         self.taken: set[int] = set()  # steps whose bytes the buffer no longer holds
         self.memory = threading.Lock()  # held while a piece goes from the buffer to a file
+        self.members: dict[str, HubMember] = {}  # stream -> its connection to the hub, once joined
 
     def run(self) -> None:
         for name, work in (("write", self.local_work), ("drain", self.drain_work)):
@@ -332,6 +351,15 @@ class _Helper:
             self.local = LocalTier(*msg[2])
             self.pfs = msg[3] and PfsFolder(*msg[3])
             _send(sock, ("attached", key))
+        elif kind == "hub":
+            try:
+                for stream in STREAMS:
+                    self.members[stream] = member = HubMember(msg[2], msg[3], stream)
+                    member.connect()
+            except OSError as e:
+                _send(sock, ("error", key, "os", errno.EIO, str(e)))
+            else:
+                _send(sock, ("done", key, None))
         elif kind == "buffer":
             # writable, though only read: files.address (O_DIRECT's alignment check)
             # cannot see a read-only buffer's address, and the writes went buffered
@@ -384,6 +412,8 @@ class _Helper:
                 raise RuntimeError("staging failed before these bytes were copied")
 
     def local_work(self, sock, kind: str, step: int, *args):
+        if kind == "exchange":
+            return self.members[step[0]].exchange(step, *args)  # keyed by the exchange
         if kind == "part":
             return self.part_write(sock, step, *args)
         if kind == "tier" and args[0] in TIER_CALLS:
@@ -431,6 +461,8 @@ class _Helper:
             return files.write_batch(step, *args)
         if kind == "purge":
             return self.pfs.purge()
+        if kind == "exchange":
+            return self.members[step[0]].exchange(step, *args)
         if kind != "copy":
             raise ValueError(f"not a request of the byte helper: {kind}")
         return self.span_copy(step, *args)

@@ -341,9 +341,10 @@ class PfsTier(PfsFolder):
         except Exception:
             return None
 
-    def save(self, step: int, layout, specs: dict, source, pg, before_write=None,
+    def save(self, step: int, layout, specs: dict, source, votes, before_write=None,
              beside_export: bool = False, clock=None, why: str = "") -> int:
-        """Collective over `pg`: this rank's part of the step, copied from `source` (laid
+        """Collective over `votes` (votes.py: its agreements, and `votes.pg`, the gloo
+        group DCP plans a layout's first step over): this rank's part of the step, copied from `source` (laid
         out as `layout` says; `specs`: the DTensors' for DCP's planner; None if this
         rank could not read its part, `why`), then rank 0's manifest and .metadata.
         Returns this rank's bytes. `beside_export`: the last step, whose step-N
@@ -352,14 +353,15 @@ class PfsTier(PfsFolder):
         The first step of a layout is planned by dcp.save with PartCopyWriter. DCP would
         make the same plan and .metadata for every later step of that layout, at a cost
         in Python and collectives the copy does not have (most of a drain's CPU on a
-        small model), so they are kept (KeptPlan): a later step is one all-reduce, the
-        copy, one gather of what every rank wrote, and rank 0's manifest and .metadata."""
+        small model), so they are kept (KeptPlan): a later step is one agreement (every
+        part readable, the folder clear, the plan kept), the copy, one gather of what
+        every rank wrote, and rank 0's manifest and .metadata."""
         clock = clock or PhaseClock()
         path = self._dir(step, beside_export)
         blocked = self._make_room(path) if self.rank == 0 else ""
         key = (layout.fingerprint(), layout.structure())
         kept = self._kept if self._kept and self._kept.key == key else None
-        readable, room, planned = all_ranks([source is not None, not blocked, kept is not None], pg)
+        readable, room, planned = votes.all_ranks([source is not None, not blocked, kept is not None], step)
         if not readable:
             raise files.CorruptCheckpoint(why if source is None else "another rank could not read its part")
         if not room:
@@ -368,12 +370,11 @@ class PfsTier(PfsFolder):
         small = kept.small if planned else SmallItems()
         writer = PartCopyWriter(path, layout, source, before_write, clock, small, self._spare(self.rank))
         if planned:
-            self._write_planned(step, writer, kept, pg, clock)
+            self._write_planned(step, writer, kept, votes, clock)
         else:
             dcp.save(staging.rebuild(layout, None, specs), checkpoint_id=path, storage_writer=writer,
-                     planner=DefaultSavePlanner(), process_group=pg)
-            gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, writer.written, group=pg)
+                     planner=DefaultSavePlanner(), process_group=votes.pg)
+            gathered = votes.gather(writer.written, step)
             self._kept = KeptPlan(key, writer.plan, writer.mappings, small, writer.metadata, writer.items)
             if self.rank == 0:
                 self._seal(step, path, {k: v for part in gathered for k, v in part.items()},
@@ -381,7 +382,7 @@ class PfsTier(PfsFolder):
             clock.mark("dcp_save")
         return sum(v["size"] for v in writer.written.values())
 
-    def _write_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, pg, clock) -> None:
+    def _write_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, votes, clock) -> None:
         """Collective: the step written to a kept plan; rank 0 seals it."""
         writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
         try:
@@ -389,7 +390,7 @@ class PfsTier(PfsFolder):
             why = ""
         except Exception as e:
             why = describe(e)
-        gathered = gather((why, writer.written, writer.small_lengths), pg)
+        gathered = votes.gather((why, writer.written, writer.small_lengths), step)
         clock.mark("gather")
         whys = "; ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(gathered) if w)
         if whys:

@@ -1,0 +1,63 @@
+"""How the ranks agree during a save and a drain: the writer's commit vote, the drain's
+start (every part readable, rank 0's folder cleared, the plan kept) and its gather of
+what each rank wrote. Both ways give every rank the same answer, in rank order.
+
+- GlooVotes: gloo collectives, issued by the writer's and the drain's threads (the
+  default, and whenever there is no hub).
+- HubVotes (helper_process): exchanges through the job's hub (tiers/hub.py), made by
+  the rank's byte helper, so the training process runs no collective of its own
+  during a save or a drain; once the helper is gone, by this process itself.
+
+Every rank makes the same exchanges in the same order on each stream, failed or not,
+so an exchange's number in its stream names it alike on every rank.
+"""
+
+from typing import Callable
+
+from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
+from titan_ckpt_plus.tiers.hub import HubInfo, HubMember
+from titan_ckpt_plus.tiers.pfs import all_ranks, gather
+
+
+class GlooVotes:
+    """Collectives over `pg`, the stream's own gloo group."""
+
+    kind = "gloo"
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+
+    def all_ranks(self, flags: list[bool], step: int) -> list[bool]:
+        return all_ranks(flags, self.pg)
+
+    def gather(self, obj, step: int) -> list:
+        return gather(obj, self.pg)
+
+
+class HubVotes:
+    """Exchanges of one stream ("write": the vote; "drain") through the hub: by the
+    byte helper `helper()` returns while it runs (on its channel of the same name),
+    else here. `pg` stays the stream's gloo group, for DCP's planning of a layout's
+    first drain. Raises OSError (HubError) when an exchange fails: on every rank, as
+    the hub keeps one outcome per exchange."""
+
+    kind = "hub"
+
+    def __init__(self, stream: str, info: HubInfo, rank: int, helper: Callable[[], ByteHelper | None],
+                 pg=None) -> None:
+        self.stream, self.helper, self.pg = stream, helper, pg
+        self.member = HubMember(info, rank, stream)  # connects only if the helper is gone
+        self.count = 0
+
+    def gather(self, obj, step: int) -> list:
+        self.count += 1
+        key = (self.stream, self.count, step)
+        return by_helper(self.helper(), lambda h: h.exchange(self.stream, key, obj),
+                         lambda: self.member.exchange(key, obj))
+
+    def all_ranks(self, flags: list[bool], step: int) -> list[bool]:
+        got = self.gather([bool(f) for f in flags], step)
+        return [all(g[i] for g in got) for i in range(len(flags))]
+
+    def close(self) -> None:
+        self.member.close()
