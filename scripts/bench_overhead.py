@@ -938,7 +938,8 @@ def plugin_memory_rows(base: Path) -> list[tuple]:
 
 # the launch-bound ways: (nice, SCHED_IDLE, the whole save + drain in another process, helper_process)
 LAUNCH_WAYS = {"nice0": (0, False, False, False), "nice10": (10, False, False, False),
-               "idle": (0, True, False, False), "helper": (0, True, False, True), "control": (0, True, True, False)}
+               "idle": (0, True, False, False), "helper": (0, True, False, True), "control": (0, True, True, False),
+               "control-helper": (0, True, True, True)}
 
 
 def launch_bound_rows(nbytes: int, base: Path, names: tuple[str, ...] = tuple(LAUNCH_WAYS),
@@ -961,7 +962,8 @@ def launch_bound_rows(nbytes: int, base: Path, names: tuple[str, ...] = tuple(LA
             if idle:
                 sleeps[way].append((lb["sleeps"], lb["asleep"]))
     idle_ways = {LAUNCH_WAYS["idle"]: "in this process", LAUNCH_WAYS["helper"]: "with helper_process",
-                 LAUNCH_WAYS["control"]: "in a helper process"}
+                 LAUNCH_WAYS["control"]: "in a helper process",
+                 LAUNCH_WAYS["control-helper"]: "in a helper process with helper_process"}
     rows = [("launch-bound loop: its thread's waits for the GIL (the times it slept) per save + drain, and "
              "its share of time asleep, the SCHED_IDLE save + drain " + " / ".join(idle_ways[w] for w in sleeps),
              " / ".join(f"{statistics.median(n for n, _ in got):.0f} waits, "
@@ -974,11 +976,22 @@ def launch_bound_rows(nbytes: int, base: Path, names: tuple[str, ...] = tuple(LA
             how += "; helper_process = true: its bytes moved by the rank's byte helper"
         what = ("the same save + drain in a helper process (a control: what a helper process leaves; "
                 if helper else "a concurrent save + drain (")
+        if helper and byte_helper:
+            how += " (the control's own byte helper)"
         q1, _, q3 = statistics.quantiles(got, n=4) if len(got) > 1 else (slow, slow, slow)
         rows.append((f"launch-bound loop slowed by {what}100M state, {how})",
                      f"{slow:+.1%} (median of {', '.join(f'{g:+.1%}' for g in got)}; quartiles {q1:+.1%} "
                      f"to {q3:+.1%})",
                      *(("", None) if helper else ("<= 5%", slow <= 0.05))))
+    for a, b, what in (("helper", "control", "helper_process's slowdown minus the control's"),
+                       ("control-helper", "control", "the control with helper_process minus the control without"),
+                       ("helper", "control-helper", "helper_process's slowdown minus the control's with it")):
+        if slows.get(LAUNCH_WAYS[a]) and slows.get(LAUNCH_WAYS[b]):  # the same minute's machine
+            diffs = sorted(x - y for x, y in zip(slows[LAUNCH_WAYS[a]], slows[LAUNCH_WAYS[b]]))
+            q1, med, q3 = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else diffs * 3
+            rows.append((f"launch-bound loop: {what}, paired round by round",
+                         f"{med:+.1%} (quartiles {q1:+.1%} to {q3:+.1%}; the first slower in "
+                         f"{sum(d > 0 for d in diffs)} of {len(diffs)} rounds)", "", None))
     return rows
 
 

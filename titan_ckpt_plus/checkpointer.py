@@ -110,6 +110,7 @@ class _Job:
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
     committed: bool = False
     loan: StagedBytes | None = None  # the staged bytes, lent to the drain (drain.py)
+    manifest: bytes | None = None  # this rank's part's, once written: the drain reads its entry
     layout_bytes: bytes | None = None  # set once staged
     fingerprint: str = ""
     beside_export: bool = False  # the PFS copy goes to full_state/step-N
@@ -616,6 +617,7 @@ class TieredCheckpointer:
                         before_chunk=job.progress.wait,
                         known_crc=(lambda: job.progress.crc) if job.progress.sums else None)
                 own = Part(manifest, layout_bytes, data)
+                job.manifest = manifest
                 nbytes = own.nbytes()
             except Exception as e:
                 if not job.progress.failed:  # a failed copy was counted by _copy
@@ -645,10 +647,15 @@ class TieredCheckpointer:
                 self._loans.append(job.loan)
         if job.loan is None or job.loan.reclaimable:
             self._buffer_free.set()
-        # Every rank reaches this vote, failed or not, so the groups stay in step.
-        try:
-            committed, drainable = self.votes.all_ranks([job.ok, own is not None or job.loan is not None],
-                                                        job.step)
+        # Every rank reaches this vote, failed or not, so the groups stay in step. The
+        # marker is the node's first rank's: no request from the others.
+        marker = ({"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
+                   "node_ranks": self.s.node_ranks} if self.s.first_on_node else None)
+        held = self.placement.sources(self.s.rank) if self.placement else []
+        keep = (set(self.drain.steps) | ({job.step} if job.pfs_due else set()), held)
+        try:  # with the hub, the helper also writes the marker and runs retention (done: not None)
+            (committed, drainable), done = self.votes.vote(
+                [job.ok, own is not None or job.loan is not None], job.step, marker, keep)
         except Exception as e:  # the hub could not decide (on every rank), or the group broke: none commits
             self.record_failure("local", job.step, f"the commit vote: {e}")
             job.ok = committed = drainable = False
@@ -664,10 +671,10 @@ class TieredCheckpointer:
         job.committed = True
         self._last_committed_job = job
         try:
-            if self.s.first_on_node:  # the marker is the node's first rank's: no request from the others
-                self._on_local(helper, job.step, "commit",
-                               {"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
-                                "node_ranks": self.s.node_ranks})
+            if done:
+                raise OSError(done)
+            if done is None and marker is not None:
+                self._on_local(helper, job.step, "commit", marker)
         except OSError as e:  # not a recovery candidate on this node; the drain goes on as voted
             self.record_failure("local", job.step, f"commit marker: {e!r}")
         else:
@@ -685,11 +692,11 @@ class TieredCheckpointer:
                                by_helper=helper is not None, agreed_by=self.votes.kind)
         if job.pfs_due:
             self._drain(job)
-        try:
-            held = self.placement.sources(self.s.rank) if self.placement else []
-            self._on_local(helper, job.step, "retain", set(self.drain.steps), held)
-        except OSError as e:
-            log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
+        if done is None:
+            try:
+                self._on_local(helper, job.step, "retain", *keep)
+            except OSError as e:
+                log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
 
     @staticmethod
     def _job_helper(job: _Job) -> ByteHelper | None:

@@ -75,7 +75,7 @@ class PartSource:
         (Appender: O_DIRECT for the bulk, fsync'd); returns its size and CRC-32C. By the
         byte helper if there is one still running, else by this thread."""
         known = self.crc if self.verbatim(spans) else None
-        if self.helper is not None and self.helper.alive:
+        if self.helper is not None and self.helper.running:
             lent = self.staged is not None and not self.staged.taken_back
             entry, _ = self.helper.copy(self.step, self.staged.generation if lent else None, path, reuse,
                                         spans, tail, self.path, self.expect, known)
@@ -150,7 +150,7 @@ class PfsDrain:
         """The step's part: the staged bytes while lent, else the committed local file."""
         total = job.layout.total_bytes
         no_file = job.loan is not None and not job.loan.reclaimable
-        return PartSource(total, job.loan, *(() if no_file else self.local.data_file(job.step)),
+        return PartSource(total, job.loan, *(() if no_file else self.local.data_file(job.step, job.manifest)),
                           yielding=self._yielding, helper=job.helper, step=job.step)
 
     def _purge(self, job) -> None:

@@ -7,7 +7,8 @@ kill_during_staging (before step N's staging copy), kill_during_local_write (aft
 the first chunk of step N's local data file), kill_during_replication (before step
 N's part is sent to its peers), kill_during_pfs_write (in step N's dcp.save, before this
 rank's data files); enospc_local_write (that write fails with "No space left on device"),
-eio_pfs_write (step N's PFS drain fails with an I/O error); slow_staging (step N's
+eio_pfs_write (step N's PFS drain fails with an I/O error), eio_commit_marker (step N's
+commit marker fails so, wherever it is written); slow_staging (step N's
 staging copy starts 1.5 s late, so the next step's forward/backward runs meanwhile: a
 copy not ordered before the parameters change is caught); slow_step (step N's save call
 returns 1.5 s late, before a kill_after_step of the same step: the background work gets

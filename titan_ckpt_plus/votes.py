@@ -33,6 +33,10 @@ class GlooVotes:
     def gather(self, obj, step: int) -> list:
         return gather(obj, self.pg)
 
+    def vote(self, flags: list[bool], step: int, marker: dict | None, keep: tuple) -> tuple[list[bool], None]:
+        """The writer's vote; what follows it is left to the caller (None)."""
+        return all_ranks(flags, self.pg), None
+
 
 class HubVotes:
     """Exchanges of one stream ("write": the vote; "drain") through the hub: by the
@@ -56,8 +60,29 @@ class HubVotes:
                          lambda: self.member.exchange(key, obj))
 
     def all_ranks(self, flags: list[bool], step: int) -> list[bool]:
-        got = self.gather([bool(f) for f in flags], step)
-        return [all(g[i] for g in got) for i in range(len(flags))]
+        return _every(self.gather([bool(f) for f in flags], step))
+
+    def vote(self, flags: list[bool], step: int, marker: dict | None, keep: tuple):
+        """The writer's vote (all_ranks of `flags`). By the helper, in the same request:
+        if the first flag holds on every rank, the commit marker (`marker`: its fields,
+        None: not this rank's) and then local retention (LocalTier.retain's `keep`).
+        Returns the flags and the marker's error (None: written) if the helper did
+        that, else None: the caller does it."""
+        self.count += 1
+        key, flags = (self.stream, self.count, step), [bool(f) for f in flags]
+
+        def here():
+            return _every(self.member.exchange(key, flags)), None
+
+        def there(h: ByteHelper):
+            got, why = h.vote(key, flags, marker, keep)
+            return _every(got), why or ""
+        return by_helper(self.helper(), there, here)
 
     def close(self) -> None:
         self.member.close()
+
+
+def _every(got: list[list[bool]]) -> list[bool]:
+    """For each flag, whether every rank's holds."""
+    return [all(g[i] for g in got) for i in range(len(got[0]))]

@@ -38,10 +38,15 @@ so the order between channels does not matter:
          <- ("done", step, manifest bytes) | ("error", step, kind, errno, text)
          -> ("tier", step, method, args)    LocalTier.commit or .retain
          <- ("done", step, its result) | the error
-         -> ("exchange", key, object)       every rank's object for `key`, through the hub
-         <- ("done", key, [objects]) | the error   (the writer's vote; the drain's start
-                                            and gather on the drain channel)
-  drain  -> ("copy", step, gen, path, reuse, spans, tail, file, expect, crc)
+         -> ("vote", key, flags, marker, keep)  the writer's vote through the hub; if every
+                                            rank's first flag holds, the commit marker
+                                            (`marker`: its fields, None: not this rank's)
+         <- ("done", key, ([flags], the marker's error or None)) | the error
+                                            ... then local retention (`keep`: its protected
+                                            steps and held sources), after the reply
+  drain  -> ("exchange", key, object)       every rank's object for `key`, through the hub
+         <- ("done", key, [objects]) | the error   (the drain's start and its gather)
+         -> ("copy", step, gen, path, reuse, spans, tail, file, expect, crc)
          <- ("done", step, (entry, bytes read from the buffer)) | the error
          -> ("files", folder, [(path, bytes)])  a PFS step's manifest and .metadata
          <- ("done", folder, their entries) | the error
@@ -81,8 +86,10 @@ TIER_CALLS = ("commit", "retain")  # what the writer asks of the helper's LocalT
 def by_helper(helper: "ByteHelper | None", there, here):
     """`there(helper)` while the byte helper runs, else `here()`; `here()` too when the
     helper ended during the request (what it did not finish is done again, whole: each
-    such request is one durable batch or a retention pass) or answered NeedsTorch."""
-    if helper is not None and helper.alive:
+    such request is one durable batch or a retention pass) or answered NeedsTorch.
+    Whether it still runs is asked of the process only once a request failed: a
+    waitpid per request is a system call that hands the GIL to training and back."""
+    if helper is not None and helper.running:
         try:
             return there(helper)
         except NeedsTorch:
@@ -154,6 +161,12 @@ class ByteHelper:
         """Neither closed nor ended (killed, out of memory)."""
         return self._open and self.proc.poll() is None
 
+    @property
+    def running(self) -> bool:
+        """Not closed, nor seen to have ended, asking nothing of the kernel: a helper
+        that ended since is found by the request that follows (EPIPE)."""
+        return self._open and self.proc.returncode is None
+
     def share(self, gen: int, fd: int, size: int) -> None:
         """The staging buffer, if it is not the one the helper already has. A helper
         that is gone is found by the request that follows."""
@@ -184,6 +197,14 @@ class ByteHelper:
         """Every rank's object for exchange `key`, through the hub, by the helper (on
         the calling thread's channel): this thread only waits for the reply."""
         return self._request(channel, ("exchange", key, obj))
+
+    def vote(self, key: tuple, flags: list[bool], marker: dict | None, keep: tuple) -> tuple[list, str | None]:
+        """The writer's vote (every rank's `flags`, through the hub), then, if every
+        rank's first flag holds, LocalTier.commit(step, marker) (unless `marker` is None)
+        and after the reply LocalTier.retain(step, *keep): one request where there were
+        three, so the writer wakes once. Returns every rank's flags and the marker's
+        error (None: written or not this rank's)."""
+        return self._request("write", ("vote", key, flags, marker, keep))
 
     def progress(self, step: int, size: int):
         """A StagingProgress listener for step's `size` bytes: tells the helper how many
@@ -337,13 +358,17 @@ class _Helper:
         self.members: dict[str, HubMember] = {}  # stream -> its connection to the hub, once joined
 
     def run(self) -> None:
-        for name, work in (("write", self.local_work), ("drain", self.drain_work)):
-            threading.Thread(target=self.serve, args=(self.socks[name], work, f"ckpt-helper-{name}"),
-                             daemon=True).start()
+        served = [threading.Thread(target=self.serve, args=(self.socks[name], work, f"ckpt-helper-{name}"),
+                                   daemon=True)
+                  for name, work in (("write", self.local_work), ("drain", self.drain_work))]
+        for thread in served:
+            thread.start()
         sock = self.socks["copy"]
         _send(sock, ("ready", self.parent, [self.sums.thread.native_id]))
         while (msg := _recv(sock))[0] is not None:  # EOF: the rank closed it, or died
             self.note(sock, *msg)
+        for thread in served:  # closed: the work after a last reply (retention) ends first
+            thread.join(timeout=10)
 
     def note(self, sock, msg: tuple, fds: list) -> None:
         kind, key = msg[0], msg[1]
@@ -393,7 +418,12 @@ class _Helper:
                 code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
                 _send(sock, ("error", step, kind, code, str(e)))
             else:
+                then = None
+                if isinstance(result, _Then):
+                    result, then = result.result, result.then
                 _send(sock, ("done", step, result))
+                if then is not None:
+                    then()
 
     def view(self, gen: int) -> memoryview:
         """Buffer generation `gen`, once its message (sent before any request that
@@ -412,14 +442,34 @@ class _Helper:
                 raise RuntimeError("staging failed before these bytes were copied")
 
     def local_work(self, sock, kind: str, step: int, *args):
-        if kind == "exchange":
-            return self.members[step[0]].exchange(step, *args)  # keyed by the exchange
+        if kind == "vote":  # keyed by the exchange
+            return self.vote(step, *args)
         if kind == "part":
             return self.part_write(sock, step, *args)
         if kind == "tier" and args[0] in TIER_CALLS:
             method, call_args = args
             return getattr(self.local, method)(step, *call_args)
         raise ValueError(f"not a request of the byte helper: {kind} {args[:1]}")
+
+    def vote(self, key: tuple, flags: list, marker: dict | None, keep: tuple) -> "_Then":
+        """The writer's vote, the commit marker if every rank's part is in, and local
+        retention once the reply is out (its failure only warned about, as the rank
+        does: the next save's retention catches up)."""
+        got = self.members[key[0]].exchange(key, flags)
+        step, committed = key[2], all(g[0] for g in got)
+        why = None
+        if committed and marker is not None:
+            try:
+                self.local.commit(step, marker)
+            except OSError as e:
+                why = repr(e)
+
+        def retain() -> None:
+            try:
+                self.local.retain(step, *keep)
+            except OSError as e:
+                print(f"[titan_ckpt_plus] local retention failed (byte helper): {e!r}", file=sys.stderr, flush=True)
+        return _Then((got, why), retain if committed else None)
 
     def part_write(self, sock, step: int, gen: int, size: int) -> bytes:
         """LocalTier.write_part from the buffer, piece by piece as the copy stages it,
@@ -489,6 +539,13 @@ class _Helper:
                                  on_piece=lambda: faults.maybe_delay("slow_pfs_copy", step, 0.1))
         upto = switch[0]
         return entry, sum(b - a if upto is None else max(0, min(b, upto) - a) for a, b in spans)
+
+
+class _Then:
+    """A request's result, and work the helper does once the reply is sent."""
+
+    def __init__(self, result, then) -> None:
+        self.result, self.then = result, then
 
 
 class _StagedSums:

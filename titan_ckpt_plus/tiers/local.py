@@ -24,12 +24,14 @@ written before job identities existed: no job loads them.
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import shutil
 import time
 from dataclasses import dataclass
 
+from titan_ckpt_plus import faults
 from titan_ckpt_plus.tiers import files
 
 log = logging.getLogger("titan_ckpt_plus")
@@ -395,6 +397,7 @@ class LocalTier:
         """The marker's directory fsync also makes the parts' renames durable (they
         are in the same folder and came first); the root's, the step folder's name."""
         if self.first_on_node:
+            faults.maybe_fail("eio_commit_marker", step)
             files.atomic_write_json(os.path.join(self.step_dir(step), COMMIT),
                                     dict(info, job_id=self.job_id, step=step, committed_at=time.time()))
             files.fsync_dir(self.root)
@@ -492,10 +495,12 @@ class LocalTier:
         files.check_bytes(self._part(step, "data", rank), data, m["files"]["data"])
         return layout, data, len(layout) + len(data)
 
-    def data_file(self, step: int) -> tuple[str, dict]:
+    def data_file(self, step: int, manifest: bytes | None = None) -> tuple[str, dict]:
         """(path, manifest entry) of this rank's data file of `step`: what the drain
-        reads when the staged bytes are gone. Raises if the part is not there."""
-        return self._part(step, "data"), self._present_manifest(step)["files"]["data"]
+        reads when the staged bytes are gone. `manifest`: the part's, as write_part
+        returned it (else read here; raises if the part is not there)."""
+        entry = json.loads(manifest) if manifest is not None else self._present_manifest(step)
+        return self._part(step, "data"), entry["files"]["data"]
 
     def _present_manifest(self, step: int, rank: int | None = None) -> dict:
         m = self.manifest(step, rank)
