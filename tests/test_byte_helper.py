@@ -21,6 +21,7 @@ from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.telemetry import EventLog
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
+from titan_ckpt_plus.tiers.hub import HubProcess
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.pfs import PfsTier
 from titan_ckpt_plus.tiers.pfs_folder import MANIFEST, NeedsTorch, PfsFolder
@@ -514,21 +515,36 @@ def test_with_the_helper_the_training_process_runs_no_collective_during_a_save_o
     assert ckpt.local.committed_steps() == [2, 3, 4, 5, 6]  # retained by the helper after each vote
 
 
-def test_a_save_the_hub_cannot_agree_on_fails_alone_and_training_goes_on(one_rank, tmp_path, caplog):
-    """The hub ended (killed): the next save's vote cannot be decided, so that save
-    fails, logged with the reason and counted, and the older step stays."""
+def test_a_hub_that_ended_is_restarted_and_one_that_cannot_be_fails_the_saves_alone(
+        one_rank, tmp_path, caplog, monkeypatch):
+    """The hub ended (killed): rank 0 starts it again on its port at the next save,
+    where the helper reconnects, and that save commits. Where it cannot start again
+    (the port taken meanwhile), the next save's vote cannot be decided: that save
+    fails, logged with the reason and counted, training goes on, the older steps stay."""
     state = _state(1)
     ckpt = _engine(tmp_path, state, pfs_interval=1000)
     try:
         ckpt.save(1)
         ckpt.flush()
+        port, first = ckpt.hub.info.port, ckpt.hub.proc.pid
         ckpt.hub.proc.kill()
         ckpt.hub.proc.wait()
         state.update(_state(2))
         ckpt.save(2)
         ckpt.flush()
-        assert ckpt.stats.saves == 1 and ckpt.stats.failed_saves == 1
-        assert ckpt.local.committed_steps() == [1]
+        assert ckpt.hub.proc.pid != first and ckpt.hub.info.port == port and "restarted on port" in caplog.text
+        assert ckpt.stats.saves == 2 and ckpt.stats.failed_saves == 0
+        ckpt.hub.proc.kill()
+        ckpt.hub.proc.wait()
+        def taken(_self):
+            raise OSError(errno.EADDRINUSE, "the checkpoint hub process did not start")
+        monkeypatch.setattr(HubProcess, "restarted", taken)
+        state.update(_state(3))
+        ckpt.save(3)
+        ckpt.flush()
+        assert ckpt.hub is None and "could not be restarted" in caplog.text
+        assert ckpt.stats.saves == 2 and ckpt.stats.failed_saves == 1
+        assert ckpt.local.committed_steps() == [1, 2]
         assert "the commit vote" in caplog.text and "hub" in caplog.text
     finally:
         ckpt.close()

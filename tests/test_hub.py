@@ -1,6 +1,7 @@
 """The job's hub (tiers/hub.py): the writer's vote and the drain's agreements between
 the ranks' byte helpers, without torch."""
 
+import json
 import os
 import pickle
 import socket
@@ -99,13 +100,27 @@ def test_a_stream_is_gone_only_once_its_last_connection_closes(served):
     assert got == [[0, 1, 2]] * 3
 
 
+def test_a_rank_that_went_on_to_a_later_exchange_fails_the_one_it_skipped(served):
+    """Rank 1 failed exchange 1 elsewhere (it never reached the hub) and asks for
+    exchange 2: exchange 1 fails for the ranks waiting on it at once, not after the
+    timeout, and exchange 2 goes on."""
+    zero, one, two = (served(r, "drain") for r in range(3))
+    waiting = _all([lambda: (time.sleep(0.3), one.exchange(("drain", 2, 9), 1))[1],
+                    lambda: zero.exchange(("drain", 1, 8), 0),
+                    lambda: (time.sleep(0.6), served(0, "drain").exchange(("drain", 2, 9), 0))[1],
+                    lambda: two.exchange(("drain", 1, 8), 2),
+                    lambda: (time.sleep(0.6), served(2, "drain").exchange(("drain", 2, 9), 2))[1]])
+    assert waiting[0] == waiting[2] == waiting[4] == [0, 1, 2]
+    assert all(isinstance(e, HubError) and "without taking part" in str(e) for e in (waiting[1], waiting[3]))
+
+
 def test_a_rank_asking_again_gets_the_outcome_the_others_got(served):
     """Rank 1's helper gave its object and died before the reply: its process asks
     again with the same key and gets the list the others got."""
     key = ("write", 1, 3)
     raw = socket.create_connection(("127.0.0.1", served(0).info.port))
     hub_mod._send(raw, f"{TOKEN} 1 write".encode())
-    hub_mod._send(raw, pickle.dumps((key, "one")))
+    hub_mod._send(raw, json.dumps([key, "one"]).encode())
     time.sleep(0.2)
     raw.close()  # after it took part: the exchange stands
     got = _all([lambda: served(0).exchange(key, "zero"), lambda: served(2).exchange(key, "two")])
@@ -119,19 +134,23 @@ def test_an_exchange_a_rank_never_joins_times_out_for_all(served):
     assert all(isinstance(e, HubError) and "timed out" in str(e) and "ranks [1]" in str(e) for e in got), got
 
 
-def test_a_connection_without_the_jobs_token_is_closed_before_anything_is_unpickled(served, tmp_path):
+def test_a_connection_without_the_jobs_token_is_closed_unread(served, tmp_path):
+    """A member with another token is refused; so is a pickle sent as the hello (the
+    frames are JSON: nothing a connection sends is ever run)."""
     marker = tmp_path / "ran"
 
     class Payload:
         def __reduce__(self):
             return (open, (str(marker), "w"))
-    intruder = served(0, token="x" * 32)
     with pytest.raises(HubError):
-        intruder.exchange(("write", 1, 1), Payload())
-    raw = socket.create_connection(("127.0.0.1", intruder.info.port))
+        served(0, token="x" * 32).exchange(("write", 1, "vote", 1), True)
+    raw = socket.create_connection(("127.0.0.1", served(0).info.port))
     hub_mod._send(raw, pickle.dumps(Payload()))  # a pickle as the hello
     assert raw.recv(1) == b""  # closed, unread
     raw.close()
+    silent = socket.create_connection(("127.0.0.1", served(0).info.port))
+    assert served.hub.open == {}  # no member until a hello names one
+    silent.close()
     assert not marker.exists()
 
 

@@ -40,7 +40,7 @@ from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.local import LocalTier
-from titan_ckpt_plus.tiers.hub import HubInfo, HubProcess
+from titan_ckpt_plus.tiers.hub import HubInfo, HubMember, HubProcess
 from titan_ckpt_plus.tiers.pfs import PfsTier, agree
 from titan_ckpt_plus.votes import GlooVotes, HubVotes
 
@@ -235,13 +235,50 @@ class TieredCheckpointer:
             except OSError as e:
                 log.warning(f"[titan_ckpt_plus] {e}; the ranks agree on saves by gloo collectives instead")
         dist.broadcast_object_list(box, src=0, group=self.commit_pg)
-        if box[0] is not None and self.helper is not None:
-            try:
-                self.helper.join_hub(box[0], self.s.rank)
-            except OSError as e:  # this rank's exchanges go from this process instead
-                log.warning(f"[titan_ckpt_plus] the byte helper could not join the hub ({e}); this rank "
-                            f"exchanges from the training process")
-        return box[0]
+        info, why = box[0], ""
+        if info is None:
+            return None
+        try:
+            if self.helper is not None:
+                try:
+                    self.helper.join_hub(info, self.s.rank)
+                except OSError as e:  # this rank's exchanges go from this process instead
+                    log.warning(f"[titan_ckpt_plus] the byte helper could not join the hub ({e}); this rank "
+                                f"exchanges from the training process")
+            if not self._hub_helper():
+                probe = HubMember(info, self.s.rank, "write")
+                probe.connect()
+                probe.close()
+        except OSError as e:
+            why = str(e)
+        # A rank that cannot reach the hub would fail every vote while the others wait
+        # for it: every rank agrees by gloo then.
+        why = agree(why, self.commit_pg)
+        if why:
+            log.warning(f"[titan_ckpt_plus] not every rank reaches the checkpoint hub ({why}); the ranks "
+                        f"agree on saves by gloo collectives instead")
+            if self.hub is not None:
+                self.hub.close()
+                self.hub = None
+            return None
+        return info
+
+    def _hub_alive(self) -> None:
+        """Rank 0: a hub that ended (killed, out of memory) is started again where the
+        members reconnect; the exchanges in flight then failed (failed saves or drains,
+        counted). If it cannot start, every later save fails, logged, until the job
+        restarts."""
+        if self.hub is None or self.hub.alive:
+            return
+        code = self.hub.proc.returncode
+        try:
+            self.hub = self.hub.restarted()
+            log.warning(f"[titan_ckpt_plus] the checkpoint hub process ended (exit code {code}); "
+                        f"restarted on port {self.hub.info.port}")
+        except OSError as e:
+            log.error(f"[titan_ckpt_plus] the checkpoint hub process ended (exit code {code}) and could not "
+                      f"be restarted ({e}): no save can be agreed until the job restarts")
+            self.hub = None
 
     def _hub_helper(self) -> ByteHelper | None:
         """The byte helper that makes this rank's exchanges, if it runs and joined the hub."""
@@ -293,6 +330,7 @@ class TieredCheckpointer:
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
+        self._hub_alive()
         if self._helper_alive():  # the helper writes what the copy has staged, as it is staged
             job.helper = self.helper
             job.progress.sums = False  # the helper checksums the bytes as it writes them

@@ -75,13 +75,15 @@ class PartSource:
         (Appender: O_DIRECT for the bulk, fsync'd); returns its size and CRC-32C. By the
         byte helper if there is one still running, else by this thread."""
         known = self.crc if self.verbatim(spans) else None
-        if self.helper is not None and self.helper.running:
+
+        def there(helper):
             lent = self.staged is not None and not self.staged.taken_back
-            entry, _ = self.helper.copy(self.step, self.staged.generation if lent else None, path, reuse,
-                                        spans, tail, self.path, self.expect, known)
+            entry, _ = helper.copy(self.step, self.staged.generation if lent else None, path, reuse,
+                                   spans, tail, self.path, self.expect, known)
             self.by_helper = True
             return entry
-        return files.copy_spans(path, reuse, spans, self.pieces(spans), tail, known)
+        return by_helper(self.helper, there, lambda: files.copy_spans(path, reuse, spans, self.pieces(spans),
+                                                                       tail, known))
 
     def verbatim(self, spans: list) -> bool:
         """Whether copying `spans` copies the whole part, whose CRC-32C is known."""

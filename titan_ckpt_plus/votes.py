@@ -8,10 +8,13 @@ what each rank wrote. Both ways give every rank the same answer, in rank order.
   the rank's byte helper, so the training process runs no collective of its own
   during a save or a drain; once the helper is gone, by this process itself.
 
-Every rank makes the same exchanges in the same order on each stream, failed or not,
-so an exchange's number in its stream names it alike on every rank.
+An exchange through the hub is named by its stream, its step, its phase ("vote",
+"start", "gather") and how many times this rank made that step's phase (a step drained
+again after a failed drain): alike on every rank, and a rank that skipped one (it
+failed before it) leaves only that one to fail, not every later one.
 """
 
+import collections
 from typing import Callable
 
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
@@ -27,10 +30,10 @@ class GlooVotes:
     def __init__(self, pg) -> None:
         self.pg = pg
 
-    def all_ranks(self, flags: list[bool], step: int) -> list[bool]:
+    def all_ranks(self, flags: list[bool], step: int, phase: str = "start") -> list[bool]:
         return all_ranks(flags, self.pg)
 
-    def gather(self, obj, step: int) -> list:
+    def gather(self, obj, step: int, phase: str = "gather") -> list:
         return gather(obj, self.pg)
 
     def vote(self, flags: list[bool], step: int, marker: dict | None, keep: tuple) -> tuple[list[bool], None]:
@@ -51,16 +54,22 @@ class HubVotes:
                  pg=None) -> None:
         self.stream, self.helper, self.pg = stream, helper, pg
         self.member = HubMember(info, rank, stream)  # connects only if the helper is gone
-        self.count = 0
+        self.made: collections.Counter = collections.Counter()  # (step, phase) -> exchanges made
 
-    def gather(self, obj, step: int) -> list:
-        self.count += 1
-        key = (self.stream, self.count, step)
+    def _key(self, step: int, phase: str) -> tuple:
+        if any(s != step for s, _ in self.made):  # steps only go up on a stream
+            self.made.clear()
+        self.made[step, phase] += 1
+        return self.stream, step, phase, self.made[step, phase]
+
+    def gather(self, obj, step: int, phase: str = "gather") -> list:
+        """Every rank's `obj` (JSON: tuples come back as lists), in rank order."""
+        key = self._key(step, phase)
         return by_helper(self.helper(), lambda h: h.exchange(self.stream, key, obj),
                          lambda: self.member.exchange(key, obj))
 
-    def all_ranks(self, flags: list[bool], step: int) -> list[bool]:
-        return _every(self.gather([bool(f) for f in flags], step))
+    def all_ranks(self, flags: list[bool], step: int, phase: str = "start") -> list[bool]:
+        return _every(self.gather([bool(f) for f in flags], step, phase))
 
     def vote(self, flags: list[bool], step: int, marker: dict | None, keep: tuple):
         """The writer's vote (all_ranks of `flags`). By the helper, in the same request:
@@ -68,8 +77,7 @@ class HubVotes:
         None: not this rank's) and then local retention (LocalTier.retain's `keep`).
         Returns the flags and the marker's error (None: written) if the helper did
         that, else None: the caller does it."""
-        self.count += 1
-        key, flags = (self.stream, self.count, step), [bool(f) for f in flags]
+        key, flags = self._key(step, "vote"), [bool(f) for f in flags]
 
         def here():
             return _every(self.member.exchange(key, flags)), None

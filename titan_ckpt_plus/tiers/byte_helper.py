@@ -381,7 +381,10 @@ class _Helper:
                 for stream in STREAMS:
                     self.members[stream] = member = HubMember(msg[2], msg[3], stream)
                     member.connect()
-            except OSError as e:
+            except OSError as e:  # the rank exchanges from its own process: none of these stays open
+                for member in self.members.values():
+                    member.close()
+                self.members.clear()
                 _send(sock, ("error", key, "os", errno.EIO, str(e)))
             else:
                 _send(sock, ("done", key, None))
@@ -456,18 +459,18 @@ class _Helper:
         retention once the reply is out (its failure only warned about, as the rank
         does: the next save's retention catches up)."""
         got = self.members[key[0]].exchange(key, flags)
-        step, committed = key[2], all(g[0] for g in got)
+        step, committed = key[1], all(g[0] for g in got)
         why = None
         if committed and marker is not None:
             try:
                 self.local.commit(step, marker)
-            except OSError as e:
+            except Exception as e:  # the save fails on this rank, as the vote stands
                 why = repr(e)
 
         def retain() -> None:
             try:
                 self.local.retain(step, *keep)
-            except OSError as e:
+            except Exception as e:  # the next save's retention catches up
                 print(f"[titan_ckpt_plus] local retention failed (byte helper): {e!r}", file=sys.stderr, flush=True)
         return _Then((got, why), retain if committed else None)
 

@@ -384,8 +384,8 @@ class PfsTier(PfsFolder):
 
     def _write_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, votes, clock) -> None:
         """Collective: the step written to a kept plan; rank 0 seals it."""
-        writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
-        try:
+        try:  # every rank reaches the gather
+            writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
             writer.write_data(kept.plan, kept).wait()
             why = ""
         except Exception as e:
@@ -416,12 +416,16 @@ class PfsTier(PfsFolder):
     def _make_room(self, path: str) -> str:
         """Rank 0: empty `path` of this job's old files ("" when done), never touching
         another job's (its reason then). The same step saved again after a restart must
-        not mix two incarnations' files under one .metadata."""
-        if os.path.isdir(path):
-            owner = read_owner(path)
-            if owner not in (None, self.job_id):
-                return f"{path} exists and belongs to job {owner}; not overwritten"
-            shutil.rmtree(path)
+        not mix two incarnations' files under one .metadata. A failure is a reason too:
+        every rank must reach the agreement that follows."""
+        try:
+            if os.path.isdir(path):
+                owner = read_owner(path)
+                if owner not in (None, self.job_id):
+                    return f"{path} exists and belongs to job {owner}; not overwritten"
+                shutil.rmtree(path)
+        except OSError as e:
+            return f"could not clear {path}: {e!r}"
         return ""
 
     def _clear(self, path: str, pg) -> None:
