@@ -109,6 +109,7 @@ class _Job:
     copy_thread: str = ""  # the thread that ran the staging copy
     progress: staging.StagingProgress = field(default_factory=staging.StagingProgress)
     committed: bool = False
+    undecided: bool = False  # the vote itself failed: the step's files are left as they are
     loan: StagedBytes | None = None  # the staged bytes, lent to the drain (drain.py)
     manifest: bytes | None = None  # this rank's part's, once written: the drain reads its entry
     layout_bytes: bytes | None = None  # set once staged
@@ -697,6 +698,7 @@ class TieredCheckpointer:
         except Exception as e:  # the hub could not decide (on every rank), or the group broke: none commits
             self.record_failure("local", job.step, f"the commit vote: {e}")
             job.ok = committed = drainable = False
+            job.undecided = True  # a peer may have died mid-save: its files stay for recovery to judge
         clock.mark("vote")
         if not committed:
             if job.ok:
@@ -823,5 +825,5 @@ class TieredCheckpointer:
             if not job.loan.reclaimable:
                 self._buffer_free.set()
         job.loan = None
-        if not job.committed:
+        if not job.committed and not job.undecided:
             self._discard(job.step)
