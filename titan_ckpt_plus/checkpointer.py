@@ -541,9 +541,8 @@ class TieredCheckpointer:
         self.drain.close()
         if self.helper is not None:
             self.helper.close()
-        if isinstance(self.votes, HubVotes):
-            self.votes.close()
-            self.drain.votes.close()
+        self.votes.close()
+        self.drain.votes.close()
         if self.hub is not None:
             self.hub.close()
         self.buffer.release()

@@ -40,6 +40,9 @@ class GlooVotes:
         """The writer's vote; what follows it is left to the caller (None)."""
         return all_ranks(flags, self.pg), None
 
+    def close(self) -> None:
+        """Nothing of its own: the groups are the engine's."""
+
 
 class HubVotes:
     """Exchanges of one stream ("write": the vote; "drain") through the hub: by the
