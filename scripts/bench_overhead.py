@@ -642,7 +642,10 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
     """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
     run in this process (in a helper process with `helper`), their threads `nice`
     below the loop's (and in SCHED_IDLE with `idle`). Also how often the loop's thread
-    went to sleep during them (each a wait for the GIL) and its share of time asleep."""
+    went to sleep during them (each a wait for the GIL) and its share of time asleep,
+    and its share of time off a CPU (asleep or waiting for a core) during them, less
+    alone: what the save + drain took from the loop's thread outright, apart from how
+    fast it ran while on a CPU (which moves with the machine from minute to minute)."""
 
     def loop(k: int = 40) -> float:
         """k x 100 tiny ops."""
@@ -660,23 +663,35 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
     # every few hundred ms), and 3 samples alone a round against a second of samples
     # during moved the median by up to 40 points from run to run
     alone, during, sleeps, asleep = [], [], 0, 0.0
+    off = {"alone": [0.0, 0.0], "during": [0.0, 0.0]}  # seconds off a CPU (asleep or waiting), of seconds
     last = 0.5
     for step in range(1, rounds + 1):
-        t0 = time.perf_counter()
+        (_, run0, wait0), t0 = _loop_thread(), time.perf_counter()
         while time.perf_counter() - t0 < last:
             alone.append(loop())
+        _off(off["alone"], t0, run0, wait0)
         saver.start(step)
         (n0, run0, wait0), t0 = _loop_thread(), time.perf_counter()
         while not saver.done():
             during.append(loop())
         (n1, run1, wait1), last = _loop_thread(), time.perf_counter() - t0
+        _off(off["during"], t0, run0, wait0)
         saver.finish()
         sleeps += n1 - n0
         asleep += last - (run1 - run0) - (wait1 - wait0)
     saver.close()
     # means: the loop's speed is bimodal on some hosts, and a median jumps between modes
     return {"alone_s": statistics.fmean(alone), "during_s": statistics.fmean(during), "samples": len(during),
-            "sleeps": sleeps / rounds, "asleep": asleep / sum(during)}
+            "sleeps": sleeps / rounds, "asleep": asleep / sum(during),
+            "off": off["during"][0] / off["during"][1] - off["alone"][0] / off["alone"][1]}
+
+
+def _off(acc: list, t0: float, run0: float, wait0: float) -> None:
+    """Adds the loop thread's time off a CPU since (t0, run0, wait0), and the time, to `acc`."""
+    _, run, _ = _loop_thread()
+    wall = time.perf_counter() - t0
+    acc[0] += wall - (run - run0)
+    acc[1] += wall
 
 
 def _neighbour(kind: str, nbytes: int, path: str, ready, stop) -> None:
@@ -952,6 +967,7 @@ def launch_bound_rows(nbytes: int, base: Path, names: tuple[str, ...] = tuple(LA
     ways = [LAUNCH_WAYS[n] for n in names]
     slows: dict = {w: [] for w in ways}
     sleeps: dict = {w: [] for w in ways if w[1]}  # the SCHED_IDLE ways'
+    offs: dict = {w: [] for w in ways if w[1]}
     for rep in range(reps):
         for way in ways:
             nice, idle, helper, byte_helper = way
@@ -961,6 +977,7 @@ def launch_bound_rows(nbytes: int, base: Path, names: tuple[str, ...] = tuple(LA
             slows[way].append(lb["during_s"] / lb["alone_s"] - 1)
             if idle:
                 sleeps[way].append((lb["sleeps"], lb["asleep"]))
+                offs[way].append(lb["off"])
     idle_ways = {LAUNCH_WAYS["idle"]: "in this process", LAUNCH_WAYS["helper"]: "with helper_process",
                  LAUNCH_WAYS["control"]: "in a helper process",
                  LAUNCH_WAYS["control-helper"]: "in a helper process with helper_process"}
@@ -968,7 +985,11 @@ def launch_bound_rows(nbytes: int, base: Path, names: tuple[str, ...] = tuple(LA
              "its share of time asleep, the SCHED_IDLE save + drain " + " / ".join(idle_ways[w] for w in sleeps),
              " / ".join(f"{statistics.median(n for n, _ in got):.0f} waits, "
                         f"{statistics.median(a for _, a in got):.1%} asleep" for got in sleeps.values()),
-             "", None)]
+             "", None),
+            ("launch-bound loop: its share of time off a CPU (asleep or waiting for a core) during the save + "
+             "drain, less alone (what they took from its thread outright), the SCHED_IDLE save + drain "
+             + " / ".join(idle_ways[w] for w in offs),
+             " / ".join(f"{statistics.median(got):+.1%}" for got in offs.values()), "", None)]
     for (nice, idle, helper, byte_helper), got in slows.items():
         slow = statistics.median(got)
         how = "SCHED_IDLE, as \"auto\" within a step" if idle else f"background_nice {nice}"

@@ -281,6 +281,31 @@ def test_a_kill_in_the_helpers_write_kills_the_rank_and_the_helper_dies_with_it(
         pytest.fail(f"the helper {pid} outlived its rank")
 
 
+def test_a_sigterm_to_the_ranks_process_group_leaves_its_helper_and_hub_running(tmp_path):
+    """torchrun tells a rank of a preemption by SIGTERM to the rank's process group,
+    and the rank's last save needs its helper and the job's hub: they are in sessions
+    of their own, so the notice reaches the rank alone (each still ends with its rank,
+    or when closed). Before, both ended with the notice and the preemption save failed."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {ROOT!r})
+        from titan_ckpt_plus.tiers.byte_helper import ByteHelper
+        from titan_ckpt_plus.tiers.hub import HubMember, HubProcess
+        os.setpgrp()  # a rank leads its process group, as torchrun starts it
+        signal.signal(signal.SIGTERM, lambda *_: print("notice", flush=True))
+        h, hub = ByteHelper(), HubProcess(1, 30.0)
+        os.killpg(0, signal.SIGTERM)  # the handler runs before the next line
+        h.join_hub(hub.info, 0)
+        print(h.alive, hub.alive, h.exchange("drain", ("drain", 1, "start", 1), [True]), flush=True)
+        print(HubMember(hub.info, 0, "write").exchange(("write", 1, "vote", 1), [True]), flush=True)
+        h.close()
+        hub.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["notice", "True True [[True]]", "[[True]]"], out.stdout
+
+
 def _pfs_step(pfs, step: int, manifest: bool = True) -> None:
     d = pfs / f"step-{step}"
     d.mkdir(parents=True)
@@ -485,8 +510,9 @@ def test_a_helper_that_dies_mid_write_fails_that_save_alone(one_rank, tmp_path, 
 def test_with_the_helper_the_training_process_runs_no_collective_during_a_save_or_a_drain(
         one_rank, tmp_path, monkeypatch):
     """Once a layout's first drain is planned (DCP's own collectives), a save's vote and
-    a drain's start and gather go through the hub, made by the helper: every torch
-    collective fails from then on, and the saves and drains commit all the same."""
+    a drain's start and gather go through the hub, made by the helper (a later drain's
+    start, copy and gather in one request): every torch collective fails from then on,
+    and the saves and drains commit all the same."""
     state = _state(1)
     ckpt = _engine(tmp_path, state, pfs_interval=2)
     try:
@@ -505,7 +531,9 @@ def test_with_the_helper_the_training_process_runs_no_collective_during_a_save_o
             ckpt.flush()
         assert ckpt.stats.saves == 6 and ckpt.stats.drains == 3
         assert ckpt.stats.failed_saves == ckpt.stats.failed_drains == 0
-        assert ckpt.helper.served["vote"] == 6 and ckpt.helper.served["exchange"] == 2 * 3  # two a drain
+        # the layout's first drain: its start, copy and gather; each later one: one request
+        served = ckpt.helper.served
+        assert served["vote"] == 6 and (served["exchange"], served["copy"], served["planned"]) == (2, 1, 2)
         loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
         dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(6), no_dist=True)
         assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
@@ -513,6 +541,78 @@ def test_with_the_helper_the_training_process_runs_no_collective_during_a_save_o
         monkeypatch.undo()
         ckpt.close()
     assert ckpt.local.committed_steps() == [2, 3, 4, 5, 6]  # retained by the helper after each vote
+
+
+def test_a_helper_that_ends_inside_a_drains_one_request_leaves_the_rest_to_the_process(one_rank, tmp_path):
+    """The helper ends after its start exchange, inside a kept plan's drain: the
+    training process asks the hub again under the same names (it gets the kept
+    outcome), copies the part itself and gathers; the PFS step loads bit for bit."""
+    state = _state(1)
+    ckpt = _engine(tmp_path, state, pfs_interval=2)
+    asked = []
+    member = ckpt.drain.votes.member
+    real_exchange = member.exchange
+    member.exchange = lambda key, obj: (asked.append(tuple(key)), real_exchange(key, obj))[1]
+    helper = ckpt.helper
+
+    def ends_after_start(keys, flags, why, request, lengths):
+        asked.append(("helper",) + tuple(keys[0]))
+        helper.exchange("drain", keys[0], flags)
+        helper.proc.kill()
+        helper.proc.wait()
+        raise OSError(errno.EPIPE, "the byte helper process has ended")
+
+    helper.copy_planned = ends_after_start
+    try:
+        for step in (1, 2, 3, 4):
+            state.update(_state(step))
+            ckpt.save(step)
+            ckpt.flush()
+        assert ckpt.stats.drains == 2 and ckpt.stats.failed_drains == 0
+        start = ("drain", 4, "start", 1)
+        assert asked == [("helper",) + start, start, ("drain", 4, "copied", 1)]
+        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(4), no_dist=True)
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    finally:
+        ckpt.close()
+
+
+def test_ranks_that_disagree_on_the_kept_plan_name_dcps_gather_alike():
+    """Two ranks hold a kept plan and one does not (its layout changed): the start says
+    not planned, every rank goes on to DCP's path, and its gather is the same exchange
+    on every rank (a kept plan's gather has a name of its own), so none waits for the
+    others until the hub's timeout."""
+    from types import SimpleNamespace
+
+    from titan_ckpt_plus.votes import HubVotes
+
+    hub = HubProcess(3, timeout_s=20)
+    votes = [HubVotes("drain", hub.info, r, lambda: None) for r in range(3)]
+    writer = SimpleNamespace(small_lengths=[], copy=lambda: pytest.fail("copied without a plan"))
+    got: dict = {}
+
+    def rank(r: int) -> None:
+        for step in (6, 8):  # twice: the names stay alike from drain to drain
+            if r < 2:
+                agreed, gathered = votes[r].copy_planned([True, True, True], step, writer, "")
+                assert gathered is None
+            else:
+                agreed = votes[r].all_ranks([True, True, False], step)
+            got[r, step] = agreed, votes[r].gather({f"__{r}_0.distcp": {"size": r}}, step)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=15)
+        assert len(got) == 6, got
+        files_of = [{f"__{r}_0.distcp": {"size": r}} for r in range(3)]
+        assert all(v == ([True, True, False], files_of) for v in got.values()), got
+    finally:
+        for v in votes:
+            v.close()
+        hub.close(timeout_s=5)
 
 
 def test_a_hub_that_ended_is_restarted_and_one_that_cannot_be_fails_the_saves_alone(

@@ -173,6 +173,39 @@ def test_the_hub_process_needs_no_torch_serves_and_ends_once_its_replies_are_out
         HubMember(hub.info, 0, "write").exchange(("write", 2, 2), True)
 
 
+def test_a_member_that_reached_the_hub_waits_for_it_to_be_restarted(monkeypatch):
+    """The hub ended; rank 0 starts another on its port at its next save, which may come
+    a moment after another rank's vote: that rank's member waits for it (RESTART_S)
+    instead of failing an exchange the others then wait for. One that never reached
+    the hub is refused at once (start-up's reachability check), and so is one that
+    waited once for a hub not restarted."""
+    monkeypatch.setattr(hub_mod, "RESTART_S", 1.0)
+    hub = HubProcess(1, timeout_s=60)
+    member = HubMember(hub.info, 0, "write")
+    try:
+        assert member.exchange(("write", 1, "vote", 1), [True]) == [[True]]
+        hub.proc.kill()
+        hub.proc.wait()
+        got: list = []
+        asks = threading.Thread(target=lambda: got.append(member.exchange(("write", 2, "vote", 1), [False])))
+        asks.start()
+        time.sleep(0.5)  # started on this thread, as rank 0's training thread does: PR_SET_PDEATHSIG
+        again = hub.restarted()
+        asks.join(timeout=10)
+        assert got == [[[False]]]
+        again.close(timeout_s=5)  # and not restarted: one wait, then each exchange fails at once
+        for waited in (True, False):
+            t0 = time.monotonic()
+            with pytest.raises(HubError, match="could not reach"):
+                member.exchange(("write", 3, "vote", 1), [True])
+            assert (time.monotonic() - t0 > 0.4) == waited
+        with pytest.raises(HubError, match="could not reach"):
+            HubMember(hub.info, 0, "drain").exchange(("drain", 2, "start", 1), [True])
+    finally:
+        member.close()
+        hub.close(timeout_s=5)
+
+
 def test_the_hub_process_dies_with_rank_0():
     """PR_SET_PDEATHSIG: a rank 0 killed takes its hub with it."""
     code = ("import time; from titan_ckpt_plus.tiers.hub import HubProcess; "

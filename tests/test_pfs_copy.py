@@ -341,10 +341,41 @@ def test_small_items_are_serialized_once_per_value_and_type():
         assert back == v and type(back) is type(v)
 
 
+def test_a_kept_plans_drain_copies_only_once_every_flag_holds_and_every_rank_reaches_the_gather():
+    """pfs_folder.copy_once_agreed, the order the byte helper runs whole: no copy unless
+    every rank agreed to start; a copy that raises, or a rank that could not prepare
+    one, still gathers, with its reason."""
+    from titan_ckpt_plus.tiers.pfs_folder import copy_once_agreed
+
+    calls = []
+
+    def copy():
+        calls.append("copy")
+        return {"__0_0.distcp": {"size": 1}}
+
+    def gathered(obj):
+        calls.append("gather")
+        return [obj, ("", {}, [2])]
+
+    assert copy_once_agreed(lambda f: [True, False, True], [True] * 3, copy, gathered) == ([True, False, True], None)
+    assert calls == []
+    agreed, got = copy_once_agreed(lambda f: f, [True] * 3, copy, gathered, extra=[1])
+    assert got[0] == ("", {"__0_0.distcp": {"size": 1}}, [1]) and calls == ["copy", "gather"]
+
+    def fails():
+        raise OSError(5, "EIO")
+    _, got = copy_once_agreed(lambda f: f, [True] * 3, fails, gathered)
+    assert "EIO" in got[0][0] and got[0][1] == {}
+    calls.clear()
+    _, got = copy_once_agreed(lambda f: f, [True] * 3, copy, gathered, why="no layout")
+    assert got[0][0] == "no layout" and calls == ["gather"]
+
+
 def test_a_drain_times_its_phases(pg, tmp_path):
     """Each phase's wall and CPU time go into the drain's event (what in a drain costs
-    the cores training runs on): DCP's planning on the layout's first step, the gather
-    and rank 0's .metadata on the later ones."""
+    the cores training runs on): rank 0 clearing the folder; DCP's planning on the
+    layout's first step; the start, copy and gather as one phase and rank 0's .metadata
+    on the later ones."""
     from titan_ckpt_plus.telemetry import PhaseClock
 
     local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
@@ -357,7 +388,7 @@ def test_a_drain_times_its_phases(pg, tmp_path):
         assert all(w >= 0 and c >= 0 for w, c in clock.phases.values())
         seen.append(set(clock.phases))
     assert seen[0] == {"clear", "items", "copy", "dcp_save"}
-    assert seen[1] == {"clear", "items", "copy", "gather", "metadata"}
+    assert seen[1] == {"clear", "items", "copy", "metadata"}
 
 
 def test_a_purged_steps_data_file_is_written_over_by_the_next_drain(pg, tmp_path):

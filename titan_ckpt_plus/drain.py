@@ -1,8 +1,10 @@
 """The PFS drain: committed local steps -> torchtitan's DCP layout on the PFS.
 
-One background thread, its own gloo group (its collectives never interleave with the
-writer's or training's) or its own stream through the hub (votes.py), at background priority: in the normal class, as the writer,
-but in SCHED_IDLE (where the policy says) while it checksums bytes. The committed
+One background thread, at background priority: in the normal class, as the writer,
+but in SCHED_IDLE (where the policy says) while it checksums bytes. The ranks agree
+over its own gloo group (its collectives never interleave with the writer's or
+training's) or its own stream through the hub (votes.py); with the byte helper, a
+kept plan's drain (its start, copy and gather) is one request to it. The committed
 local part is already a DCP data file (staging.py), so the drain is a copy
 (`PfsTier.save`, PartCopyWriter) of the items DCP's planner gives this rank; DCP plans
 from the step's state rebuilt on the meta device (no bytes held). The bytes come from
@@ -74,16 +76,19 @@ class PartSource:
         """Write `spans` of the part, then `tail` (the small items), to `path`, durably
         (Appender: O_DIRECT for the bulk, fsync'd); returns its size and CRC-32C. By the
         byte helper if there is one still running, else by this thread."""
-        known = self.crc if self.verbatim(spans) else None
-
         def there(helper):
-            lent = self.staged is not None and not self.staged.taken_back
-            entry, _ = helper.copy(self.step, self.staged.generation if lent else None, path, reuse,
-                                   spans, tail, self.path, self.expect, known)
+            entry, _ = helper.copy(*self.request(path, reuse, spans, tail))
             self.by_helper = True
             return entry
-        return by_helper(self.helper, there, lambda: files.copy_spans(path, reuse, spans, self.pieces(spans),
-                                                                       tail, known))
+        return by_helper(self.helper, there, lambda: files.copy_spans(
+            path, reuse, spans, self.pieces(spans), tail, self.crc if self.verbatim(spans) else None))
+
+    def request(self, path: str, reuse: str | None, spans: list, tail: bytes) -> tuple:
+        """copy()'s arguments as the byte helper takes them (ByteHelper.copy): from the
+        staged bytes while they are lent, then from the file."""
+        lent = self.staged is not None and not self.staged.taken_back
+        return (self.step, self.staged.generation if lent else None, path, reuse, spans, tail, self.path,
+                self.expect, self.crc if self.verbatim(spans) else None)
 
     def verbatim(self, spans: list) -> bool:
         """Whether copying `spans` copies the whole part, whose CRC-32C is known."""

@@ -5,8 +5,9 @@
 kinds (SIGKILL unless said): kill_after_step (after step N's save call),
 kill_during_staging (before step N's staging copy), kill_during_local_write (after
 the first chunk of step N's local data file), kill_during_replication (before step
-N's part is sent to its peers), kill_during_pfs_write (in step N's dcp.save, before this
-rank's data files); enospc_local_write (that write fails with "No space left on device"),
+N's part is sent to its peers), kill_during_pfs_write (in step N's PFS drain, once
+every rank agreed to start, before this rank's data file: by its byte helper where
+that makes the copy); enospc_local_write (that write fails with "No space left on device"),
 eio_pfs_write (step N's PFS drain fails with an I/O error), eio_commit_marker (step N's
 commit marker fails so, wherever it is written); slow_staging (step N's
 staging copy starts 1.5 s late, so the next step's forward/backward runs meanwhile: a

@@ -9,7 +9,7 @@ what each rank wrote. Both ways give every rank the same answer, in rank order.
   during a save or a drain; once the helper is gone, by this process itself.
 
 An exchange through the hub is named by its stream, its step, its phase ("vote",
-"start", "gather") and how many times this rank made that step's phase (a step drained
+"start", "gather", "copied": a kept plan's gather) and how many times this rank made that step's phase (a step drained
 again after a failed drain): alike on every rank, and a rank that skipped one (it
 failed before it) leaves only that one to fail, not every later one.
 """
@@ -18,8 +18,9 @@ import collections
 from typing import Callable
 
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
-from titan_ckpt_plus.tiers.hub import HubInfo, HubMember
+from titan_ckpt_plus.tiers.hub import HubInfo, HubMember, every
 from titan_ckpt_plus.tiers.pfs import all_ranks, gather
+from titan_ckpt_plus.tiers.pfs_folder import copy_once_agreed
 
 
 class GlooVotes:
@@ -39,6 +40,13 @@ class GlooVotes:
     def vote(self, flags: list[bool], step: int, marker: dict | None, keep: tuple) -> tuple[list[bool], None]:
         """The writer's vote; what follows it is left to the caller (None)."""
         return all_ranks(flags, self.pg), None
+
+    def copy_planned(self, flags: list[bool], step: int, writer, why: str) -> tuple[list[bool], list | None]:
+        """A kept plan's drain (pfs_folder.copy_once_agreed): the start agreement, then
+        `writer`'s copy (a prepared PartCopyWriter; by the byte helper if there is one)
+        and the gather of every rank's (why, entries, small items' lengths)."""
+        return copy_once_agreed(lambda f: all_ranks(f, self.pg), flags, writer.copy,
+                                lambda obj: gather(obj, self.pg), why, writer.small_lengths)
 
     def close(self) -> None:
         """Nothing of its own: the groups are the engine's."""
@@ -72,7 +80,7 @@ class HubVotes:
                          lambda: self.member.exchange(key, obj))
 
     def all_ranks(self, flags: list[bool], step: int, phase: str = "start") -> list[bool]:
-        return _every(self.gather([bool(f) for f in flags], step, phase))
+        return every(self.gather([bool(f) for f in flags], step, phase))
 
     def vote(self, flags: list[bool], step: int, marker: dict | None, keep: tuple):
         """The writer's vote (all_ranks of `flags`). By the helper, in the same request:
@@ -83,17 +91,34 @@ class HubVotes:
         key, flags = self._key(step, "vote"), [bool(f) for f in flags]
 
         def here():
-            return _every(self.member.exchange(key, flags)), None
+            return every(self.member.exchange(key, flags)), None
 
         def there(h: ByteHelper):
             got, why = h.vote(key, flags, marker, keep)
-            return _every(got), why or ""
+            return every(got), why or ""
+        return by_helper(self.helper(), there, here)
+
+    def copy_planned(self, flags: list[bool], step: int, writer, why: str) -> tuple[list[bool], list | None]:
+        """GlooVotes.copy_planned through the hub: by the helper in one request (its
+        exchanges and the copy), so the drain's thread wakes once where it woke three
+        times; else here. Its exchanges' names are made once, so that where the helper
+        ended mid-request this process asks again under the same ones (the hub kept
+        what the others got) and copies again, whole."""
+        # "copied", not "gather": a rank whose start said no goes on to DCP's path, whose
+        # gather must be named as it is on a rank that only voted (all_ranks)
+        start, gathered = self._key(step, "start"), self._key(step, "copied")
+        flags, lengths = [bool(f) for f in flags], writer.small_lengths
+
+        def here():
+            return copy_once_agreed(lambda f: every(self.member.exchange(start, f)), flags, writer.copy,
+                                    lambda obj: self.member.exchange(gathered, obj), why, lengths)
+
+        def there(h: ByteHelper):
+            agreed, got = h.copy_planned((start, gathered), flags, why, None if why else writer.copy_request(),
+                                         lengths)
+            writer.source.by_helper = got is not None and not why
+            return agreed, got
         return by_helper(self.helper(), there, here)
 
     def close(self) -> None:
         self.member.close()
-
-
-def _every(got: list[list[bool]]) -> list[bool]:
-    """For each flag, whether every rank's holds."""
-    return [all(g[i] for g in got) for i in range(len(got[0]))]

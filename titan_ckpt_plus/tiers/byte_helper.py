@@ -45,7 +45,11 @@ so the order between channels does not matter:
                                             ... then local retention (`keep`: its protected
                                             steps and held sources), after the reply
   drain  -> ("exchange", key, object)       every rank's object for `key`, through the hub
-         <- ("done", key, [objects]) | the error   (the drain's start and its gather)
+         <- ("done", key, [objects]) | the error   (a layout's first drain: its start, its gather)
+         -> ("planned", (start, gather), flags, why, copy, lengths)  a kept plan's drain
+                                            (pfs_folder.copy_once_agreed): the start exchange,
+                                            the copy (its request's fields, below), the gather
+         <- ("done", (start, gather), (agreed flags, [outcomes] or None)) | the error
          -> ("copy", step, gen, path, reuse, spans, tail, file, expect, crc)
          <- ("done", step, (entry, bytes read from the buffer)) | the error
          -> ("files", folder, [(path, bytes)])  a PFS step's manifest and .metadata
@@ -72,9 +76,9 @@ from concurrent import futures
 
 from titan_ckpt_plus import faults, priority
 from titan_ckpt_plus.tiers import files
-from titan_ckpt_plus.tiers.hub import STREAMS, HubInfo, HubMember
+from titan_ckpt_plus.tiers.hub import STREAMS, HubInfo, HubMember, every
 from titan_ckpt_plus.tiers.local import LocalTier
-from titan_ckpt_plus.tiers.pfs_folder import NeedsTorch, PfsFolder
+from titan_ckpt_plus.tiers.pfs_folder import NeedsTorch, PfsFolder, copy_once_agreed
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -137,9 +141,11 @@ class ByteHelper:
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in CHANNELS]
         theirs = [b.fileno() for _, b in pairs]
         try:
+            # a session of its own: the launcher's SIGTERM to the rank's process group (a
+            # preemption notice) is the rank's to act on, and the rank's last saves need it
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(os.getpid()), str(nice), *map(str, theirs)],
-                pass_fds=theirs, stdin=subprocess.DEVNULL)
+                pass_fds=theirs, stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             for _, b in pairs:
                 b.close()
@@ -267,6 +273,15 @@ class ByteHelper:
         spans' CRC-32C if known (else computed). Returns the file's manifest entry
         (size, CRC-32C) and how many of its bytes came from the buffer."""
         return self._request("drain", ("copy", step, gen, path, reuse, spans, tail, file, expect, crc))
+
+    def copy_planned(self, keys: tuple, flags: list[bool], why: str, request: tuple | None,
+                     lengths: list[int]) -> tuple[list[bool], list | None]:
+        """A kept plan's drain (pfs_folder.copy_once_agreed) by the helper, in one request:
+        the start exchange `keys[0]` of `flags`, then, if all hold on every rank, the
+        copy (`request`: copy()'s arguments; not tried if `why`) and the gather
+        `keys[1]` of (why, {file: entry}, `lengths`). Returns the agreed flags and the
+        gathered outcomes (None: not all held)."""
+        return self._request("drain", ("planned", keys, flags, why, request, lengths))
 
     def purge_pfs(self, step: int) -> list[int]:
         """PfsFolder.purge by the helper, after step's drain (on the drain's channel);
@@ -516,9 +531,24 @@ class _Helper:
             return self.pfs.purge()
         if kind == "exchange":
             return self.members[step[0]].exchange(step, *args)
+        if kind == "planned":  # keyed by its exchanges
+            return self.copy_planned(step, *args)
         if kind != "copy":
             raise ValueError(f"not a request of the byte helper: {kind}")
         return self.span_copy(step, *args)
+
+    def copy_planned(self, keys: tuple, flags: list, why: str, request: tuple | None,
+                     lengths: list) -> tuple[list, list | None]:
+        """ByteHelper.copy_planned: the exchanges through this rank's drain stream, the
+        copy as span_copy makes it (the kill fault the rank's writer would fire first)."""
+        member = self.members[keys[0][0]]
+
+        def copy() -> dict:
+            faults.maybe_kill("kill_during_pfs_write", request[0], pid=self.parent)
+            entry, _ = self.span_copy(*request)
+            return {os.path.basename(request[2]): entry}
+        return copy_once_agreed(lambda f: every(member.exchange(keys[0], f)), flags, copy,
+                                lambda obj: member.exchange(keys[1], obj), why, lengths)
 
     def span_copy(self, step: int, gen: int | None, path: str, reuse: str | None, spans: list,
                   tail: bytes, file: str | None, expect: dict | None, crc: int | None) -> tuple[dict, int]:

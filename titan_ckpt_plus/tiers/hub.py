@@ -45,6 +45,7 @@ from dataclasses import dataclass
 _LEN = struct.Struct("<I")
 _HELLO_MAX = 256
 KEPT = 64  # outcomes kept for a rank asking again (its helper ended mid-request)
+RESTART_S = 5.0  # how long a member that reached the hub waits for it to be restarted
 STREAMS = ("write", "drain")  # the writer's vote; the drain's start and gather
 
 
@@ -94,6 +95,11 @@ def advertised_address() -> str:
         except OSError:
             pass
     return address
+
+
+def every(got: list[list[bool]]) -> list[bool]:
+    """For each flag of an exchange of flags, whether every rank's holds."""
+    return [all(g[i] for g in got) for i in range(len(got[0]))]
 
 
 def _send(sock: socket.socket, data: bytes) -> None:
@@ -257,6 +263,7 @@ class HubMember:
     def __init__(self, info: HubInfo, rank: int, stream: str) -> None:
         self.info, self.rank, self.stream = info, rank, stream
         self.sock: socket.socket | None = None
+        self.reached = False  # it has reached the hub before: a refusal then is a hub being restarted
 
     def connect(self) -> None:
         if self.sock is not None and _closed(self.sock):  # a hub that ended, restarted since
@@ -265,7 +272,7 @@ class HubMember:
             return
         sock = None
         try:
-            sock = socket.create_connection(self.info.connect_to(), timeout=30)
+            sock = self._dial()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.info.timeout_s + 60)  # the hub times an exchange out first
             _send(sock, f"{self.info.token} {self.rank} {self.stream}".encode())
@@ -273,7 +280,23 @@ class HubMember:
             if sock is not None:
                 sock.close()
             raise HubError(f"could not reach the checkpoint hub at {self.info.connect_to()}: {e!r}") from e
-        self.sock = sock
+        self.sock, self.reached = sock, True
+
+    def _dial(self) -> socket.socket:
+        """A connection to the hub. Refused where it was reached before: rank 0 restarts
+        a hub that ended at its next save, which may come a moment after this rank's,
+        so it is tried again for up to RESTART_S (else this rank fails an exchange the
+        others then wait for on the new hub until some rank's next save passes it);
+        once per outage: a hub not restarted by then fails the later exchanges at once."""
+        give_up = time.monotonic() + (RESTART_S if self.reached else 0)
+        while True:
+            try:
+                return socket.create_connection(self.info.connect_to(), timeout=30)
+            except ConnectionRefusedError:
+                if time.monotonic() >= give_up:
+                    self.reached = False  # not restarted: the next exchanges fail at once, until one connects
+                    raise
+                time.sleep(0.1)
 
     def exchange(self, key: tuple, obj) -> list:
         """Every rank's object for `key`, in rank order (as JSON gives them back:
@@ -313,9 +336,12 @@ class HubProcess:
     def __init__(self, world_size: int, timeout_s: float, port: int = 0, token: str | None = None) -> None:
         token = token or secrets.token_hex(16)
         self.world_size = world_size
+        # a session of its own, as the byte helper's: SIGTERM is its close(), and a
+        # preemption notice to rank 0's process group must not end it before the last save
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(os.getpid()), str(world_size),
                                       str(timeout_s), str(port)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
         try:
             self.proc.stdin.write(token + "\n")  # not in argv: ps shows that to every user
             self.proc.stdin.close()

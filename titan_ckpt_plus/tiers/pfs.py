@@ -115,7 +115,8 @@ class PartCopyWriter(FileSystemWriter):
     manifest's. An item DCP gave to another rank (a replicated tensor is written once)
     is skipped when it leaves a gap of SPAN_GAP or more. The small items follow in one
     write. `written`: each file's size and CRC-32C, for the manifest; `small_lengths`:
-    the small items' sizes in plan order; `before_write` runs first (faults).
+    the small items' sizes in plan order; `before_write` runs before the copy (faults; a
+    byte helper making the copy fires that fault itself).
 
     finish() makes the step's Metadata as DCP's own writer does but does not write it:
     PfsTier writes it after the manifest, so a step complete by DCP's rule (it has a
@@ -130,19 +131,27 @@ class PartCopyWriter(FileSystemWriter):
         self.small = small or SmallItems()
         self.written: dict[str, dict] = {}
         self.small_lengths: list[int] = []
+        self._tail = b""  # the small items, serialized
         self.plan = self.metadata = self.items = None  # what DCP planned, kept for the next drains
         self.mappings: dict = {}
 
     def write_data(self, plan, planner):
-        """`planner`: DCP's, or a KeptPlan (a later step of a planned layout: where each
-        tensor item goes is the same as for the first, only the small items' values are
-        new)."""
+        """DCP's call: prepare() and copy()."""
+        results = self.prepare(plan, planner)
+        self.copy()
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def prepare(self, plan, planner) -> list:
+        """Where the plan's items go, and the small items serialized; returns the
+        WriteResults. `planner`: DCP's, or a KeptPlan (a later step of a planned layout:
+        where each tensor item goes is the same as for the first, only the small items'
+        values are new)."""
         self.plan = plan
         placed = planner.items if isinstance(planner, KeptPlan) else None
         self.mappings = (planner.mappings if placed
                          else {item.index.fqn: planner.mappings[item.index.fqn] for item in plan.items})
-        if self.before_write:
-            self.before_write()
         self.items = placed = placed or self._place(plan, self.mappings)
         blobs = [(item, self.small.serialize(staging.value_at(self.layout.skeleton, path)))
                  for item, path in placed.small]
@@ -151,13 +160,25 @@ class PartCopyWriter(FileSystemWriter):
         for item, data in blobs:  # train_state, the dataloader's, lr ...: as DCP serializes them
             results.append(WriteResult(item.index, len(data), _StorageInfo(placed.name, at, len(data))))
             at += len(data)
-        self.written[placed.name] = self.source.copy(os.path.join(self.path, placed.name), self.reuse,
-                                                     placed.spans, b"".join(data for _, data in blobs))
+        self._tail = b"".join(data for _, data in blobs)
         self.small_lengths = [len(data) for _, data in blobs]
-        self.clock.mark("copy")  # the spans, the small items after them, the file's fsync
-        fut: Future = Future()
-        fut.set_result(results)
-        return fut
+        return results
+
+    def copy(self) -> dict:
+        """The prepared file, written: the spans, the small items after them, its fsync.
+        Returns `written`."""
+        if self.before_write:
+            self.before_write()
+        name = self.items.name
+        self.written[name] = self.source.copy(os.path.join(self.path, name), self.reuse, self.items.spans,
+                                              self._tail)
+        self.clock.mark("copy")
+        return self.written
+
+    def copy_request(self) -> tuple:
+        """What the byte helper needs to make copy() (PartSource.request)."""
+        return self.source.request(os.path.join(self.path, self.items.name), self.reuse, self.items.spans,
+                                   self._tail)
 
     def _place(self, plan, mappings: dict) -> "PlacedItems":
         """Where the plan's items are in the part and go in the file."""
@@ -355,22 +376,27 @@ class PfsTier(PfsFolder):
         in Python and collectives the copy does not have (most of a drain's CPU on a
         small model), so they are kept (KeptPlan): a later step is one agreement (every
         part readable, the folder clear, the plan kept), the copy, one gather of what
-        every rank wrote, and rank 0's manifest and .metadata."""
+        every rank wrote (those three one request to the byte helper, where there is
+        one: votes.copy_planned), and rank 0's manifest and .metadata."""
         clock = clock or PhaseClock()
         path = self._dir(step, beside_export)
         blocked = self._make_room(path) if self.rank == 0 else ""
+        clock.mark("clear")
         key = (layout.fingerprint(), layout.structure())
         kept = self._kept if self._kept and self._kept.key == key else None
-        readable, room, planned = votes.all_ranks([source is not None, not blocked, kept is not None], step)
+        small = kept.small if kept else SmallItems()
+        writer = PartCopyWriter(path, layout, source, before_write, clock, small, self._spare(self.rank))
+        flags = [source is not None, not blocked, kept is not None]
+        if kept is not None and source is not None:  # agreed, copied and gathered in one go
+            (readable, room, planned), gathered = self._copy_planned(step, writer, kept, flags, votes)
+        else:
+            (readable, room, planned), gathered = votes.all_ranks(flags, step), None
         if not readable:
             raise files.CorruptCheckpoint(why if source is None else "another rank could not read its part")
         if not room:
             raise files.CorruptCheckpoint(blocked or f"rank 0 could not make room at {path} (see its log)")
-        clock.mark("clear")  # each rank's copy makes the folder (files.copy_spans), in the helper if any
-        small = kept.small if planned else SmallItems()
-        writer = PartCopyWriter(path, layout, source, before_write, clock, small, self._spare(self.rank))
         if planned:
-            self._write_planned(step, writer, kept, votes, clock)
+            self._seal_planned(step, writer, kept, gathered, clock)
         else:
             dcp.save(staging.rebuild(layout, None, specs), checkpoint_id=path, storage_writer=writer,
                      planner=DefaultSavePlanner(), process_group=votes.pg)
@@ -382,16 +408,25 @@ class PfsTier(PfsFolder):
             clock.mark("dcp_save")
         return sum(v["size"] for v in writer.written.values())
 
-    def _write_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, votes, clock) -> None:
-        """Collective: the step written to a kept plan; rank 0 seals it."""
-        try:  # every rank reaches the gather
+    def _copy_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, flags: list[bool], votes):
+        """Collective: the start agreement over `flags` and, if every rank holds them all,
+        the step written to the kept plan and every rank's outcome gathered
+        (votes.copy_planned: by the byte helper in one request, where there is one).
+        Returns the agreed flags and the gathered outcomes (None: nothing written)."""
+        why = ""
+        try:
             writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
-            writer.write_data(kept.plan, kept).wait()
-            why = ""
-        except Exception as e:
+            writer.prepare(kept.plan, kept)
+        except Exception as e:  # this rank copies nothing; every rank still reaches the gather
             why = describe(e)
-        gathered = votes.gather((why, writer.written, writer.small_lengths), step)
-        clock.mark("gather")
+        agreed, gathered = votes.copy_planned(flags, step, writer, why)
+        if gathered is not None:
+            writer.written = dict(gathered[self.rank][1])
+        writer.clock.mark("copy")
+        return agreed, gathered
+
+    def _seal_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, gathered: list, clock) -> None:
+        """Rank 0 seals a step written to a kept plan, if every rank wrote its part."""
         whys = "; ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(gathered) if w)
         if whys:
             raise files.CorruptCheckpoint(whys)

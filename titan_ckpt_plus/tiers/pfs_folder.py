@@ -151,6 +151,26 @@ class PfsFolder:
                 os.rmdir(os.path.join(self.folder, files.SPARE))
 
 
+def copy_once_agreed(agree, flags: list[bool], copy, gather, why: str = "", extra=None) -> tuple[list, list | None]:
+    """A kept plan's drain of a step, in the order every rank follows (PfsTier.save),
+    torch-free so that the byte helper runs it whole, in one request: `agree(flags)`,
+    the start agreement (each flag: whether it holds on every rank); then, only if all
+    hold, this rank's `copy()` (its files' manifest entries; not tried if `why` says
+    why it cannot be) and `gather((why, entries, extra))`, every rank's, which each rank
+    reaches even if its copy failed. Returns the agreed flags and the gathered list
+    (None: nothing copied)."""
+    agreed = agree(flags)
+    if not all(agreed):
+        return agreed, None
+    written = {}
+    if not why:
+        try:
+            written = copy()
+        except Exception as e:  # every rank reaches the gather
+            why = repr(e)
+    return agreed, gather((why, written, extra))
+
+
 def _complete(folder: str) -> list[int]:
     """Steps of `folder` with a .metadata (DCP wrote it last)."""
     if not os.path.isdir(folder):
