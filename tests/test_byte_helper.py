@@ -578,6 +578,42 @@ def test_a_helper_that_ends_inside_a_drains_one_request_leaves_the_rest_to_the_p
         ckpt.close()
 
 
+def test_a_helper_that_ends_after_its_drains_gather_leaves_its_copy_as_it_is(one_rank, tmp_path, monkeypatch):
+    """The helper made the whole kept-plan drain (start, copy, gather) and ended before
+    its reply: the gather was decided with its file's entry (rank 0 may be sealing the
+    step with it), so the training process does not copy the part again, and the step
+    loads bit for bit."""
+    from titan_ckpt_plus import drain as drain_mod
+
+    state = _state(1)
+    ckpt = _engine(tmp_path, state, pfs_interval=2)
+    helper = ckpt.helper
+    real = helper.copy_planned
+
+    def ends_before_its_reply(*args):
+        real(*args)
+        helper.proc.kill()
+        helper.proc.wait()
+        raise OSError(errno.EPIPE, "the byte helper process has ended")
+
+    helper.copy_planned = ends_before_its_reply
+    copied_here = []
+    real_copy = drain_mod.files.copy_spans
+    monkeypatch.setattr(drain_mod.files, "copy_spans", lambda *a, **k: (copied_here.append(a[0]), real_copy(*a, **k))[1])
+    try:
+        for step in (1, 2, 3, 4):
+            state.update(_state(step))
+            ckpt.save(step)
+            ckpt.flush()
+        assert ckpt.stats.drains == 2 and ckpt.stats.failed_drains == 0
+        assert copied_here == [] and helper.served["planned"] == 1 and not helper.alive
+        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(4), no_dist=True)
+        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+    finally:
+        ckpt.close()
+
+
 def test_ranks_that_disagree_on_the_kept_plan_name_dcps_gather_alike():
     """Two ranks hold a kept plan and one does not (its layout changed): the start says
     not planned, every rank goes on to DCP's path, and its gather is the same exchange

@@ -128,6 +128,23 @@ def test_a_rank_asking_again_gets_the_outcome_the_others_got(served):
     assert served(1).exchange(key, "one again") == ["zero", "one", "two"]
 
 
+def test_whether_an_exchange_is_decided_is_asked_without_taking_part(served):
+    """decided(): None while ranks are missing (asking it is not joining), the outcome
+    once every rank gave its object, the failure as HubError."""
+    a, b, c = served(0), served(1), served(2)
+    key = ("write", 4, "vote", 1)
+    assert a.decided(key) is None
+    got = _all([lambda: a.exchange(key, 1), lambda: b.exchange(key, 2),
+                lambda: (time.sleep(0.3), c.decided(key))[1], lambda: (time.sleep(0.5), c.exchange(key, 3))[1]])
+    assert got == [[1, 2, 3], [1, 2, 3], None, [1, 2, 3]]
+    assert served(1).decided(key) == [1, 2, 3]
+    failed = ("write", 5, "vote", 1)  # rank 2's stream leaves before taking part: it fails for all
+    got = _all([lambda: a.exchange(failed, 1), lambda: (time.sleep(0.3), c.close())[1]])
+    assert isinstance(got[0], HubError)
+    with pytest.raises(HubError, match="left the hub"):
+        b.decided(failed)
+
+
 def test_an_exchange_a_rank_never_joins_times_out_for_all(served):
     served.hub.timeout_s = 0.5
     got = _all([lambda r=r: served(r).exchange(("write", 1, 2), r) for r in (0, 2)])

@@ -103,13 +103,17 @@ class HubVotes:
         exchanges and the copy), so the drain's thread wakes once where it woke three
         times; else here. Its exchanges' names are made once, so that where the helper
         ended mid-request this process asks again under the same ones (the hub kept
-        what the others got) and copies again, whole."""
+        what the others got) and copies again, whole, unless the gather was decided
+        (rank 0 may be sealing the step with the helper's file)."""
         # "copied", not "gather": a rank whose start said no goes on to DCP's path, whose
         # gather must be named as it is on a rank that only voted (all_ranks)
         start, gathered = self._key(step, "start"), self._key(step, "copied")
         flags, lengths = [bool(f) for f in flags], writer.small_lengths
 
         def here():
+            done = self.member.decided(gathered)
+            if done is not None:  # the helper's copy was gathered before it ended: not copied again
+                return every(self.member.exchange(start, flags)), done
             return copy_once_agreed(lambda f: every(self.member.exchange(start, f)), flags, writer.copy,
                                     lambda obj: self.member.exchange(gathered, obj), why, lengths)
 

@@ -18,7 +18,9 @@ object, each gets the list of all, in rank order. It fails for all:
 If the hub process ends while rank 0 lives, rank 0 starts another on the same port at
 its next save (HubProcess.restarted); the members reconnect.
 Outcomes are kept, so a rank that asks again gets the answer the others got: its
-helper ended mid-request and it asks from its own process (HubMember there).
+helper ended mid-request and it asks from its own process (HubMember there). A rank
+can also ask whether an exchange is decided without taking part (HubMember.decided):
+whether its helper had finished a drain's gather before it ended.
 
 A connection's first frame is the job's token and the member's name, checked within
 5 s; the frames are JSON (flags, reasons, file sizes and checksums), so nothing a
@@ -165,8 +167,9 @@ class Hub:
                     with self.idle:
                         self.busy += 1
                     try:
-                        key, obj = json.loads(data)
-                        _send(conn, self.contribute(tuple(key), rank, obj))
+                        first, second = json.loads(data)
+                        _send(conn, self.outcome(tuple(second)) if first == "decided"
+                              else self.contribute(tuple(first), rank, second))
                     finally:
                         with self.idle:
                             self.busy -= 1
@@ -211,6 +214,11 @@ class Hub:
                 else:
                     self.cv.wait(left)
             return self.outcomes[key]
+
+    def outcome(self, key: tuple) -> bytes:
+        """Exchange `key`'s outcome if decided, else ["undecided", key, null]."""
+        with self.cv:
+            return self.outcomes.get(key) or json.dumps(["undecided", key, None]).encode()
 
     def _passed(self, key: tuple, rank: int) -> None:
         """Rank asks for an exchange of a later step on its stream: it will never join
@@ -303,10 +311,19 @@ class HubMember:
         tuples as lists); HubError if it failed. A connection lost on the way is made
         again and the exchange asked again: the hub kept its outcome, so this rank
         gets the answer the others got."""
+        return self._ask([key, obj], key)
+
+    def decided(self, key: tuple) -> list | None:
+        """The outcome of exchange `key` if the hub has one (as exchange() gives it),
+        else None, without taking part: whether a helper that ended mid-request had
+        already made it."""
+        return self._ask(["decided", key], key)
+
+    def _ask(self, frame: list, key: tuple):
         for attempt in (0, 1):
             self.connect()
             try:
-                _send(self.sock, json.dumps([key, obj]).encode())
+                _send(self.sock, json.dumps(frame).encode())
                 data = _recv(self.sock)
                 if data is None:
                     raise HubError("the checkpoint hub closed the connection")
@@ -318,6 +335,8 @@ class HubMember:
                 self.close()
                 if attempt:
                     raise e if isinstance(e, HubError) else HubError(f"the checkpoint hub: {e!r}") from e
+        if kind == "undecided":
+            return None
         if kind != "ok":
             raise HubError(value)
         return value
