@@ -87,26 +87,34 @@ def test_an_idle_thread_is_in_sched_idle_and_so_are_the_threads_it_starts():
     assert plain["policy"] == before
 
 
-def _thread_policies() -> dict:
+def _thread_policies(leftover: frozenset = frozenset()) -> dict:
     """Each of this process's checkpointer threads' scheduling policy, by kernel name;
     "gloo": the policies of its gloo threads, sorted. A thread names itself (and sets
-    its class) as it starts: wait until the engine's three have."""
+    its class) as it starts: wait until the engine's three have. `leftover`: threads
+    to leave out, there before the engine (another test's, still ending: in a full run
+    one of the same name could be read in place of the engine's)."""
     deadline = time.monotonic() + 5
     while True:
-        out = _policies_now()
+        out = _policies_now(leftover)
         if all(k in out for k in THREADS) or time.monotonic() > deadline:
             return out
         time.sleep(0.01)
 
 
-def _policies_now() -> dict:
+def _policies_now(leftover: frozenset = frozenset()) -> dict:
     out: dict = {"gloo": []}
     for tid in os.listdir("/proc/self/task"):
-        name = open(f"/proc/self/task/{tid}/comm").read().strip()
+        if int(tid) in leftover:
+            continue
+        try:
+            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+            policy = os.sched_getscheduler(int(tid))
+        except OSError:  # it ended since the listing
+            continue
         if name.startswith("ckpt-"):
-            out[name] = os.sched_getscheduler(int(tid))
+            out[name] = policy
         elif "gloo" in name:
-            out["gloo"].append(os.sched_getscheduler(int(tid)))
+            out["gloo"].append(policy)
     out["gloo"].sort()
     return out
 
@@ -126,6 +134,7 @@ def _engine(tmp_path, idle: bool, log: EventLog, local_interval: int = 1, pfs_in
 @LINUX
 @pytest.mark.parametrize("idle", [True, False])
 def test_the_engine_puts_its_copy_writer_and_drain_where_the_policy_says(tmp_path, idle):
+    leftover = frozenset(map(int, os.listdir("/proc/self/task")))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         ckpt = _engine(tmp_path, idle, EventLog(None))
@@ -133,7 +142,7 @@ def test_the_engine_puts_its_copy_writer_and_drain_where_the_policy_says(tmp_pat
         ckpt.flush()  # the threads still do the work: the step reaches both tiers
         assert ckpt.stats.last_drained == 1
         ckpt.save(2)  # flush() brought them back; this step's boundary finds nothing late
-        policies = _thread_policies()  # after the work: each thread has set its own
+        policies = _thread_policies(leftover)  # after the work: each thread has set its own
         ckpt.close()
     finally:
         dist.destroy_process_group()
@@ -159,6 +168,7 @@ def test_a_save_still_writing_a_step_later_brings_the_engines_threads_back(tmp_p
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         log = EventLog(str(tmp_path / "events.jsonl"))
+        leftover = frozenset(map(int, os.listdir("/proc/self/task")))
         ckpt = _engine(tmp_path, True, log, local_interval=2, pfs_interval=100)
         disk, release = ckpt.local.write_part, threading.Event()
 
@@ -169,14 +179,14 @@ def test_a_save_still_writing_a_step_later_brings_the_engines_threads_back(tmp_p
         ckpt.local.write_part = slow_disk
         ckpt.save(2)
         ckpt.wait_for_staging()
-        on_time = _thread_policies()
+        on_time = _thread_policies(leftover)
         ckpt.save(3)  # not a save step: a boundary, with step 2's write still in flight
-        late = _thread_policies()
+        late = _thread_policies(leftover)
         release.set()
         ckpt._write_q.join()
         assert ckpt.stats.last_committed == 2
         ckpt.save(4)
-        back = _thread_policies()
+        back = _thread_policies(leftover)
         ckpt.close()
         log.flush()
     finally:
