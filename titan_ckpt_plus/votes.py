@@ -9,9 +9,10 @@ what each rank wrote. Both ways give every rank the same answer, in rank order.
   during a save or a drain; once the helper is gone, by this process itself.
 
 An exchange through the hub is named by its stream, its step, its phase ("vote",
-"start", "gather", "copied": a kept plan's gather) and how many times this rank made that step's phase (a step drained
-again after a failed drain): alike on every rank, and a rank that skipped one (it
-failed before it) leaves only that one to fail, not every later one.
+"start", "gather", "copied": a kept plan's gather) and how many times this rank made
+that step's phase (a step drained again after a failed drain): alike on every rank,
+and a rank that skipped one (it failed before it) leaves only that one to fail, not
+every later one.
 """
 
 import collections
