@@ -666,16 +666,16 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
     off = {"alone": [0.0, 0.0], "during": [0.0, 0.0]}  # seconds off a CPU (asleep or waiting), of seconds
     last = 0.5
     for step in range(1, rounds + 1):
-        (_, run0, wait0), t0 = _loop_thread(), time.perf_counter()
+        (_, run0, _), t0 = _loop_thread(), time.perf_counter()
         while time.perf_counter() - t0 < last:
             alone.append(loop())
-        _off(off["alone"], t0, run0, wait0)
+        _off(off["alone"], t0, run0)
         saver.start(step)
         (n0, run0, wait0), t0 = _loop_thread(), time.perf_counter()
         while not saver.done():
             during.append(loop())
         (n1, run1, wait1), last = _loop_thread(), time.perf_counter() - t0
-        _off(off["during"], t0, run0, wait0)
+        _off(off["during"], t0, run0)
         saver.finish()
         sleeps += n1 - n0
         asleep += last - (run1 - run0) - (wait1 - wait0)
@@ -686,8 +686,9 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
             "off": off["during"][0] / off["during"][1] - off["alone"][0] / off["alone"][1]}
 
 
-def _off(acc: list, t0: float, run0: float, wait0: float) -> None:
-    """Adds the loop thread's time off a CPU since (t0, run0, wait0), and the time, to `acc`."""
+def _off(acc: list, t0: float, run0: float) -> None:
+    """Adds the loop thread's time off a CPU (asleep or waiting for one) since (t0,
+    run0), and the time, to `acc`."""
     _, run, _ = _loop_thread()
     wall = time.perf_counter() - t0
     acc[0] += wall - (run - run0)

@@ -368,6 +368,22 @@ def _saved(ckpt: TieredCheckpointer, step: int) -> dict:
     return staging.rebuild(staging.StateLayout.from_bytes(layout), torch.frombuffer(data, dtype=torch.uint8))
 
 
+def _assert_pfs_step_loads(ckpt: TieredCheckpointer, step: int, state: dict) -> None:
+    """The PFS step, loaded by dcp.load as stock torchtitan would, equals `state`'s model bit for bit."""
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+    dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(step), no_dist=True)
+    for k, v in state["model"].items():
+        assert torch.equal(loaded["model"][k], v), (step, k)
+
+
+def _save_and_flush(ckpt: TieredCheckpointer, state: dict, steps) -> None:
+    """Each step's state saved and flushed to its tiers."""
+    for step in steps:
+        state.update(_state(step))
+        ckpt.save(step)
+        ckpt.flush()
+
+
 def _on_cpu_ns(pid: int, tid: int) -> int:
     with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
         return int(f.read().split()[0])
@@ -440,10 +456,7 @@ def test_the_engine_saves_and_drains_through_the_helper_and_goes_on_without_it_o
             for k, v in state["model"].items():
                 assert torch.equal(back["model"][k], v), (step, k)
             if step % 2 == 0:
-                loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-                dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(step))
-                for k, v in state["model"].items():
-                    assert torch.equal(loaded["model"][k], v), (step, k)
+                _assert_pfs_step_loads(ckpt, step, state)
         assert ckpt.stats.saves == 4 and ckpt.stats.drains == 2
         assert ckpt.stats.failed_saves == ckpt.stats.failed_drains == 0
         assert ckpt.helper is None  # the fourth save went on in this process
@@ -525,18 +538,13 @@ def test_with_the_helper_the_training_process_runs_no_collective_during_a_save_o
         for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list",
                      "gather_object", "scatter_object_list", "barrier"):
             monkeypatch.setattr(dist, name, no_collective)
-        for step in (3, 4, 5, 6):
-            state.update(_state(step))
-            ckpt.save(step)
-            ckpt.flush()
+        _save_and_flush(ckpt, state, (3, 4, 5, 6))
         assert ckpt.stats.saves == 6 and ckpt.stats.drains == 3
         assert ckpt.stats.failed_saves == ckpt.stats.failed_drains == 0
         # the layout's first drain: its start, copy and gather; each later one: one request
         served = ckpt.helper.served
         assert served["vote"] == 6 and (served["exchange"], served["copy"], served["planned"]) == (2, 1, 2)
-        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-        dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(6), no_dist=True)
-        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+        _assert_pfs_step_loads(ckpt, 6, state)
     finally:
         monkeypatch.undo()
         ckpt.close()
@@ -564,16 +572,11 @@ def test_a_helper_that_ends_inside_a_drains_one_request_leaves_the_rest_to_the_p
 
     helper.copy_planned = ends_after_start
     try:
-        for step in (1, 2, 3, 4):
-            state.update(_state(step))
-            ckpt.save(step)
-            ckpt.flush()
+        _save_and_flush(ckpt, state, (1, 2, 3, 4))
         assert ckpt.stats.drains == 2 and ckpt.stats.failed_drains == 0
         start = ("drain", 4, "start", 1)
         assert asked == [("helper",) + start, start, ("drain", 4, "copied", 1)]
-        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-        dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(4), no_dist=True)
-        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+        _assert_pfs_step_loads(ckpt, 4, state)
     finally:
         ckpt.close()
 
@@ -601,15 +604,10 @@ def test_a_helper_that_ends_after_its_drains_gather_leaves_its_copy_as_it_is(one
     real_copy = drain_mod.files.copy_spans
     monkeypatch.setattr(drain_mod.files, "copy_spans", lambda *a, **k: (copied_here.append(a[0]), real_copy(*a, **k))[1])
     try:
-        for step in (1, 2, 3, 4):
-            state.update(_state(step))
-            ckpt.save(step)
-            ckpt.flush()
+        _save_and_flush(ckpt, state, (1, 2, 3, 4))
         assert ckpt.stats.drains == 2 and ckpt.stats.failed_drains == 0
         assert copied_here == [] and helper.served["planned"] == 1 and not helper.alive
-        loaded = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
-        dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(4), no_dist=True)
-        assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+        _assert_pfs_step_loads(ckpt, 4, state)
     finally:
         ckpt.close()
 

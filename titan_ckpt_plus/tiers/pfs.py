@@ -396,7 +396,7 @@ class PfsTier(PfsFolder):
         if not room:
             raise files.CorruptCheckpoint(blocked or f"rank 0 could not make room at {path} (see its log)")
         if planned:
-            self._seal_planned(step, writer, kept, gathered, clock)
+            self._seal_planned(step, writer, kept, gathered)
         else:
             dcp.save(staging.rebuild(layout, None, specs), checkpoint_id=path, storage_writer=writer,
                      planner=DefaultSavePlanner(), process_group=votes.pg)
@@ -425,7 +425,7 @@ class PfsTier(PfsFolder):
         writer.clock.mark("copy")
         return agreed, gathered
 
-    def _seal_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, gathered: list, clock) -> None:
+    def _seal_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, gathered: list) -> None:
         """Rank 0 seals a step written to a kept plan, if every rank wrote its part."""
         whys = "; ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(gathered) if w)
         if whys:
@@ -437,7 +437,7 @@ class PfsTier(PfsFolder):
             kept.metadata.storage_meta = writer.storage_meta()
             self._seal(step, writer.path, {k: v for _, w, _ in gathered for k, v in w.items()},
                        kept.pickler.dumps(kept.metadata))
-            clock.mark("metadata")
+            writer.clock.mark("metadata")
 
     def _seal(self, step: int, path, data_files: dict, data: bytes) -> None:
         """Rank 0: the manifest, then the .metadata (`data`, the pickled Metadata) that

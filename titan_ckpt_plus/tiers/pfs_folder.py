@@ -1,5 +1,6 @@
 """The PFS folder's steps as files, no torch: which are complete and whose, where the
-spares go, and retention. PfsTier (pfs.py) adds DCP's side; the byte helper process
+spares go, and retention; and the order of a kept plan's drain (copy_once_agreed),
+which the byte helper runs whole. PfsTier (pfs.py) adds DCP's side; the byte helper process
 runs retention with this alone (issue 15), so a drain's listing, manifest reads and
 deletes leave the training process.
 
