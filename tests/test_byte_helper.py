@@ -551,6 +551,70 @@ def test_with_the_helper_the_training_process_runs_no_collective_during_a_save_o
     assert ckpt.local.committed_steps() == [2, 3, 4, 5, 6]  # retained by the helper after each vote
 
 
+def _noted(step: int, note: int) -> dict:
+    """_state(step) with a small item `note` characters long in its train_state."""
+    out = _state(step)
+    out["train_state"]["note"] = "x" * note
+    return out
+
+
+def test_rank_0s_seal_and_pfs_retention_are_in_a_kept_drains_one_request(one_rank, tmp_path):
+    """After a layout's first drain, rank 0's helper writes each later PFS step's
+    manifest and .metadata (pickled before the copy) and runs PFS retention in the
+    drain's one request: the oldest step goes, and the step passes its checks and
+    loads bit for bit. Where a small item's length moved (the .metadata says where each
+    sits) the helper leaves the seal to the process, which pickles it anew; where a
+    stock step (no manifest) needs torch to be told apart, retention is the process's."""
+    state = _noted(1, 10)
+    ckpt = _engine(tmp_path, state, pfs_interval=2)  # pfs_keep 3
+    pg = dist.group.WORLD
+    try:
+        for step in range(1, 9):
+            state.update(_noted(step, 10))
+            ckpt.save(step)
+            ckpt.flush()
+        served = ckpt.helper.served
+        # only the layout's first drain (step 2, DCP's plan) sealed and purged in requests of their own
+        assert (served["planned"], served["files"], served["purge"]) == (3, 1, 1)
+        assert ckpt.pfs.steps() == [4, 6, 8] and ckpt.pfs.retained == {}
+        assert ckpt.pfs.verify(8, pg) == (True, "")
+        _assert_pfs_step_loads(ckpt, 8, state)
+
+        state.update(_noted(10, 5000))  # the note's item grows: its length and the .metadata move
+        ckpt.save(10)
+        ckpt.flush()
+        assert (served["planned"], served["files"], served["purge"]) == (4, 2, 2)
+        assert ckpt.pfs.steps() == [6, 8, 10] and ckpt.pfs.verify(10, pg) == (True, "")
+        loaded = {"train_state": {"step": 0, "note": ""}}
+        dcp.load(loaded, checkpoint_id=ckpt.pfs.step_dir(10), no_dist=True)
+        assert loaded["train_state"] == {"step": 10, "note": "x" * 5000}
+
+        _pfs_step(tmp_path / "pfs", 3, manifest=False)  # stock torchtitan's: only its .metadata tells
+        state.update(_noted(12, 5000))
+        ckpt.save(12)
+        ckpt.flush()
+        assert (served["planned"], served["files"], served["purge"]) == (5, 2, 2)
+        assert ckpt.pfs.steps() == [8, 10, 12] and ckpt.pfs.verify(12, pg) == (True, "")
+        assert ckpt.stats.drains == 6 and ckpt.stats.failed_drains == 0
+        _assert_pfs_step_loads(ckpt, 12, state)
+    finally:
+        ckpt.close()
+
+
+def test_retentions_outcome_tells_the_drain_what_is_left_to_it(tmp_path, monkeypatch):
+    """PfsFolder.purge_outcome, as the helper sends it back: the steps purged; a step
+    only torch can tell (the process purges); a failure (warned about)."""
+    pfs = tmp_path / "pfs"
+    for step in (2, 4):
+        _pfs_step(pfs, step)
+    folder = PfsFolder(str(pfs), 0, 1, 1, "J")
+    assert folder.purge_outcome() == ("purged", [2])
+    _pfs_step(pfs, 6, manifest=False)
+    assert folder.purge_outcome()[0] == "torch" and sorted(os.listdir(pfs)) == [".spare", "step-4", "step-6"]
+    monkeypatch.setattr(PfsFolder, "purge", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "gone")))
+    assert folder.purge_outcome()[0] == "failed"
+
+
 def test_a_helper_that_ends_inside_a_drains_one_request_leaves_the_rest_to_the_process(one_rank, tmp_path):
     """The helper ends after its start exchange, inside a kept plan's drain: the
     training process asks the hub again under the same names (it gets the kept
@@ -563,7 +627,7 @@ def test_a_helper_that_ends_inside_a_drains_one_request_leaves_the_rest_to_the_p
     member.exchange = lambda key, obj: (asked.append(tuple(key)), real_exchange(key, obj))[1]
     helper = ckpt.helper
 
-    def ends_after_start(keys, flags, why, request, lengths):
+    def ends_after_start(keys, flags, why, request, lengths, seal):
         asked.append(("helper",) + tuple(keys[0]))
         helper.exchange("drain", keys[0], flags)
         helper.proc.kill()
@@ -629,8 +693,8 @@ def test_ranks_that_disagree_on_the_kept_plan_name_dcps_gather_alike():
     def rank(r: int) -> None:
         for step in (6, 8):  # twice: the names stay alike from drain to drain
             if r < 2:
-                agreed, gathered = votes[r].copy_planned([True, True, True], step, writer, "")
-                assert gathered is None
+                agreed, gathered, sealed = votes[r].copy_planned([True, True, True], step, writer, "")
+                assert gathered is sealed is None
             else:
                 agreed = votes[r].all_ranks([True, True, False], step)
             got[r, step] = agreed, votes[r].gather({f"__{r}_0.distcp": {"size": r}}, step)

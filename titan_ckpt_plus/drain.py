@@ -162,9 +162,15 @@ class PfsDrain:
 
     def _purge(self, job) -> None:
         """PFS retention (rank 0): by the byte helper while it runs, so the listing,
-        manifest reads and deletes leave this process; here where a step without our
+        manifest reads and deletes leave this process (in the drain's one request, where
+        the helper sealed the step: PfsTier.retained); here where a step without our
         manifest needs its .metadata read (torch's classes) to be told apart."""
-        helper = job.helper if self.pfs.rank == 0 else None  # the others have nothing to purge
+        done, why = self.pfs.retained.pop(job.step, ("", None))
+        if done == "purged":
+            return
+        if done == "failed":
+            raise OSError(why)
+        helper = job.helper if self.pfs.rank == 0 and done != "torch" else None  # the others have nothing to purge
         by_helper(helper, lambda h: h.purge_pfs(job.step), self.pfs.purge)
 
     def _drain(self, job) -> None:

@@ -43,12 +43,15 @@ def _armed(kind: str, step: int) -> bool:
 
 
 def maybe_kill(kind: str, step: int, pid: int | None = None) -> None:
-    """SIGKILL this process, or the rank `pid` (from its helper process, which then
-    dies with it: byte_helper)."""
+    """SIGKILL this process, or the rank `pid` and then this process (its byte helper,
+    as a node's failure ends both at once: a helper left to its PR_SET_PDEATHSIG could
+    finish the copy and its gather first, and rank 0's helper then seal the step)."""
     if _armed(kind, step):
         print(f"[titan_ckpt_plus.faults] {kind} at step {step}: SIGKILL rank "
               f"{os.environ.get('RANK', '0')}", flush=True)
-        os.kill(os.getpid() if pid is None else pid, signal.SIGKILL)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_preempt(step: int) -> None:

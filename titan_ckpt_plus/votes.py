@@ -42,12 +42,13 @@ class GlooVotes:
         """The writer's vote; what follows it is left to the caller (None)."""
         return all_ranks(flags, self.pg), None
 
-    def copy_planned(self, flags: list[bool], step: int, writer, why: str) -> tuple[list[bool], list | None]:
+    def copy_planned(self, flags: list[bool], step: int, writer, why: str, seal=None) -> tuple:
         """A kept plan's drain (pfs_folder.copy_once_agreed): the start agreement, then
         `writer`'s copy (a prepared PartCopyWriter; by the byte helper if there is one)
-        and the gather of every rank's (why, entries, small items' lengths)."""
-        return copy_once_agreed(lambda f: all_ranks(f, self.pg), flags, writer.copy,
-                                lambda obj: gather(obj, self.pg), why, writer.small_lengths)
+        and the gather of every rank's (why, entries, small items' lengths). Returns
+        those and None: rank 0 seals the step itself (`seal` is HubVotes')."""
+        return *copy_once_agreed(lambda f: all_ranks(f, self.pg), flags, writer.copy,
+                                 lambda obj: gather(obj, self.pg), why, writer.small_lengths), None
 
     def close(self) -> None:
         """Nothing of its own: the groups are the engine's."""
@@ -99,13 +100,17 @@ class HubVotes:
             return every(got), why or ""
         return by_helper(self.helper(), there, here)
 
-    def copy_planned(self, flags: list[bool], step: int, writer, why: str) -> tuple[list[bool], list | None]:
+    def copy_planned(self, flags: list[bool], step: int, writer, why: str, seal=None) -> tuple:
         """GlooVotes.copy_planned through the hub: by the helper in one request (its
-        exchanges and the copy), so the drain's thread wakes once where it woke three
-        times; else here. Its exchanges' names are made once, so that where the helper
-        ended mid-request this process asks again under the same ones (the hub kept
-        what the others got) and copies again, whole, unless the gather was decided
-        (rank 0 may be sealing the step with the helper's file)."""
+        exchanges and the copy; on rank 0, with `seal` (PfsFolder.seal_kept's step,
+        path, .metadata and small items' lengths), the step's seal and PFS retention
+        too), so the drain's thread wakes once where it woke five times; else here.
+        Returns the agreed flags, the gathered outcomes and the helper's retention
+        outcome once it sealed the step (None: the caller seals). Its exchanges' names
+        are made once, so that where the helper ended mid-request this process asks
+        again under the same ones (the hub kept what the others got) and copies again,
+        whole, unless the gather was decided (rank 0 may be sealing the step with the
+        helper's file)."""
         # "copied", not "gather": a rank whose start said no goes on to DCP's path, whose
         # gather must be named as it is on a rank that only voted (all_ranks)
         start, gathered = self._key(step, "start"), self._key(step, "copied")
@@ -114,15 +119,15 @@ class HubVotes:
         def here():
             done = self.member.decided(gathered)
             if done is not None:  # the helper's copy was gathered before it ended: not copied again
-                return every(self.member.exchange(start, flags)), done
-            return copy_once_agreed(lambda f: every(self.member.exchange(start, f)), flags, writer.copy,
-                                    lambda obj: self.member.exchange(gathered, obj), why, lengths)
+                return every(self.member.exchange(start, flags)), done, None
+            return *copy_once_agreed(lambda f: every(self.member.exchange(start, f)), flags, writer.copy,
+                                     lambda obj: self.member.exchange(gathered, obj), why, lengths), None
 
         def there(h: ByteHelper):
-            agreed, got = h.copy_planned((start, gathered), flags, why, None if why else writer.copy_request(),
-                                         lengths)
+            agreed, got, sealed = h.copy_planned((start, gathered), flags, why,
+                                                 None if why else writer.copy_request(), lengths, seal)
             writer.source.by_helper = got is not None and not why
-            return agreed, got
+            return agreed, got, sealed
         return by_helper(self.helper(), there, here)
 
     def close(self) -> None:

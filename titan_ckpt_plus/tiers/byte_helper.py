@@ -46,10 +46,13 @@ so the order between channels does not matter:
                                             steps and held sources), after the reply
   drain  -> ("exchange", key, object)       every rank's object for `key`, through the hub
          <- ("done", key, [objects]) | the error   (a layout's first drain: its start, its gather)
-         -> ("planned", (start, gather), flags, why, copy, lengths)  a kept plan's drain
-                                            (pfs_folder.copy_once_agreed): the start exchange,
-                                            the copy (its request's fields, below), the gather
-         <- ("done", (start, gather), (agreed flags, [outcomes] or None)) | the error
+         -> ("planned", (start, gather), flags, why, copy, lengths, seal)  a kept plan's
+                                            drain (pfs_folder.copy_once_agreed): the start
+                                            exchange, the copy (its request's fields, below),
+                                            the gather; on rank 0 (`seal`) the step's manifest
+                                            and .metadata, then PFS retention
+         <- ("done", (start, gather), (agreed flags, [outcomes] or None, retention or None))
+            | the error
          -> ("copy", step, gen, path, reuse, spans, tail, file, expect, crc)
          <- ("done", step, (entry, bytes read from the buffer)) | the error
          -> ("files", folder, [(path, bytes)])  a PFS step's manifest and .metadata
@@ -275,13 +278,16 @@ class ByteHelper:
         return self._request("drain", ("copy", step, gen, path, reuse, spans, tail, file, expect, crc))
 
     def copy_planned(self, keys: tuple, flags: list[bool], why: str, request: tuple | None,
-                     lengths: list[int]) -> tuple[list[bool], list | None]:
+                     lengths: list[int], seal: tuple | None = None) -> tuple[list[bool], list | None, tuple | None]:
         """A kept plan's drain (pfs_folder.copy_once_agreed) by the helper, in one request:
         the start exchange `keys[0]` of `flags`, then, if all hold on every rank, the
         copy (`request`: copy()'s arguments; not tried if `why`) and the gather
-        `keys[1]` of (why, {file: entry}, `lengths`). Returns the agreed flags and the
-        gathered outcomes (None: not all held)."""
-        return self._request("drain", ("planned", keys, flags, why, request, lengths))
+        `keys[1]` of (why, {file: entry}, `lengths`); then, given `seal` (rank 0:
+        PfsFolder.seal_kept's step, path, .metadata, lengths), the step's manifest and
+        .metadata if every part is as planned, and PFS retention. Returns the agreed
+        flags, the gathered outcomes (None: not all held) and retention's outcome
+        (PfsFolder.purge_outcome; None: not sealed)."""
+        return self._request("drain", ("planned", keys, flags, why, request, lengths, seal))
 
     def purge_pfs(self, step: int) -> list[int]:
         """PfsFolder.purge by the helper, after step's drain (on the drain's channel);
@@ -538,17 +544,21 @@ class _Helper:
         return self.span_copy(step, *args)
 
     def copy_planned(self, keys: tuple, flags: list, why: str, request: tuple | None,
-                     lengths: list) -> tuple[list, list | None]:
+                     lengths: list, seal: tuple | None) -> tuple[list, list | None, tuple | None]:
         """ByteHelper.copy_planned: the exchanges through this rank's drain stream, the
-        copy as span_copy makes it (the kill fault the rank's writer would fire first)."""
+        copy as span_copy makes it (the kill fault the rank's writer would fire first),
+        then the seal and retention where asked."""
         member = self.members[keys[0][0]]
 
         def copy() -> dict:
             faults.maybe_kill("kill_during_pfs_write", request[0], pid=self.parent)
             entry, _ = self.span_copy(*request)
             return {os.path.basename(request[2]): entry}
-        return copy_once_agreed(lambda f: every(member.exchange(keys[0], f)), flags, copy,
-                                lambda obj: member.exchange(keys[1], obj), why, lengths)
+        agreed, got = copy_once_agreed(lambda f: every(member.exchange(keys[0], f)), flags, copy,
+                                       lambda obj: member.exchange(keys[1], obj), why, lengths)
+        if seal is None or got is None or not self.pfs.seal_kept(got, *seal):
+            return agreed, got, None
+        return agreed, got, self.pfs.purge_outcome()
 
     def span_copy(self, step: int, gen: int | None, path: str, reuse: str | None, spans: list,
                   tail: bytes, file: str | None, expect: dict | None, crc: int | None) -> tuple[dict, int]:

@@ -352,9 +352,9 @@ class PfsTier(PfsFolder):
 
     def __init__(self, folder: str, rank: int, world_size: int, keep_latest_k: int,
                  job_id: str = "", reuse_files: bool = True, write_batch=files.write_batch) -> None:
-        super().__init__(folder, rank, world_size, keep_latest_k, job_id, reuse_files)
-        self.write_batch = write_batch  # files.write_batch's, or the byte helper's (the drain's channel)
+        super().__init__(folder, rank, world_size, keep_latest_k, job_id, reuse_files, write_batch)
         self._kept: KeptPlan | None = None  # the plan of the layout drained last: see save()
+        self.retained: dict[int, tuple] = {}  # step -> the byte helper's purge_outcome() after sealing it
 
     def dcp_keys(self, path: str) -> list[str] | None:
         try:
@@ -376,8 +376,9 @@ class PfsTier(PfsFolder):
         in Python and collectives the copy does not have (most of a drain's CPU on a
         small model), so they are kept (KeptPlan): a later step is one agreement (every
         part readable, the folder clear, the plan kept), the copy, one gather of what
-        every rank wrote (those three one request to the byte helper, where there is
-        one: votes.copy_planned), and rank 0's manifest and .metadata."""
+        every rank wrote, and rank 0's manifest and .metadata. With the byte helper all
+        of that is one request (votes.copy_planned), PFS retention too on rank 0: what
+        it did is kept in `retained` for the drain."""
         clock = clock or PhaseClock()
         path = self._dir(step, beside_export)
         blocked = self._make_room(path) if self.rank == 0 else ""
@@ -387,15 +388,18 @@ class PfsTier(PfsFolder):
         small = kept.small if kept else SmallItems()
         writer = PartCopyWriter(path, layout, source, before_write, clock, small, self._spare(self.rank))
         flags = [source is not None, not blocked, kept is not None]
+        sealed = None
         if kept is not None and source is not None:  # agreed, copied and gathered in one go
-            (readable, room, planned), gathered = self._copy_planned(step, writer, kept, flags, votes)
+            (readable, room, planned), gathered, sealed = self._copy_planned(step, writer, kept, flags, votes)
         else:
             (readable, room, planned), gathered = votes.all_ranks(flags, step), None
         if not readable:
             raise files.CorruptCheckpoint(why if source is None else "another rank could not read its part")
         if not room:
             raise files.CorruptCheckpoint(blocked or f"rank 0 could not make room at {path} (see its log)")
-        if planned:
+        if sealed is not None:  # by the byte helper, which ran retention after it
+            self.retained[step] = sealed
+        elif planned:
             self._seal_planned(step, writer, kept, gathered)
         else:
             dcp.save(staging.rebuild(layout, None, specs), checkpoint_id=path, storage_writer=writer,
@@ -403,30 +407,38 @@ class PfsTier(PfsFolder):
             gathered = votes.gather(writer.written, step)
             self._kept = KeptPlan(key, writer.plan, writer.mappings, small, writer.metadata, writer.items)
             if self.rank == 0:
-                self._seal(step, path, {k: v for part in gathered for k, v in part.items()},
-                           pickle.dumps(writer.metadata))
+                self.seal(step, path, {k: v for part in gathered for k, v in part.items()},
+                          pickle.dumps(writer.metadata))
             clock.mark("dcp_save")
         return sum(v["size"] for v in writer.written.values())
 
     def _copy_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, flags: list[bool], votes):
         """Collective: the start agreement over `flags` and, if every rank holds them all,
         the step written to the kept plan and every rank's outcome gathered
-        (votes.copy_planned: by the byte helper in one request, where there is one).
-        Returns the agreed flags and the gathered outcomes (None: nothing written)."""
-        why = ""
+        (votes.copy_planned: by the byte helper in one request, where there is one,
+        which on rank 0 also seals the step and runs retention if no small item moved:
+        the .metadata is pickled for that here, before the copy). Returns the agreed
+        flags, the gathered outcomes (None: nothing written) and the helper's retention
+        outcome (None: not sealed by it)."""
+        why, seal = "", None
         try:
             writer.set_up_storage_writer(self.rank == 0, rank=self.rank)
             writer.prepare(kept.plan, kept)
+            if self.rank == 0:
+                kept.metadata.storage_meta = writer.storage_meta()
+                seal = (step, writer.path, kept.pickler.dumps(kept.metadata),
+                        {name: known for name, (_, _, known) in kept.small_items.items()})
         except Exception as e:  # this rank copies nothing; every rank still reaches the gather
             why = describe(e)
-        agreed, gathered = votes.copy_planned(flags, step, writer, why)
+        agreed, gathered, sealed = votes.copy_planned(flags, step, writer, why, seal)
         if gathered is not None:
             writer.written = dict(gathered[self.rank][1])
         writer.clock.mark("copy")
-        return agreed, gathered
+        return agreed, gathered, sealed
 
     def _seal_planned(self, step: int, writer: "PartCopyWriter", kept: KeptPlan, gathered: list) -> None:
-        """Rank 0 seals a step written to a kept plan, if every rank wrote its part."""
+        """Rank 0 seals a step written to a kept plan, if every rank wrote its part
+        (where the byte helper did not: _copy_planned)."""
         whys = "; ".join(f"rank {r}: {w}" for r, (w, _, _) in enumerate(gathered) if w)
         if whys:
             raise files.CorruptCheckpoint(whys)
@@ -434,19 +446,9 @@ class PfsTier(PfsFolder):
             for _, written, lengths in gathered:
                 for name in written:
                     kept.update(name, lengths)
-            kept.metadata.storage_meta = writer.storage_meta()
-            self._seal(step, writer.path, {k: v for _, w, _ in gathered for k, v in w.items()},
-                       kept.pickler.dumps(kept.metadata))
+            self.seal(step, writer.path, {k: v for _, w, _ in gathered for k, v in w.items()},
+                      kept.pickler.dumps(kept.metadata))
             writer.clock.mark("metadata")
-
-    def _seal(self, step: int, path, data_files: dict, data: bytes) -> None:
-        """Rank 0: the manifest, then the .metadata (`data`, the pickled Metadata) that
-        makes the step complete (DCP's own rule), both fsync'd before either is renamed
-        into place."""
-        manifest = {"step": step, "job_id": self.job_id, "kind": "full",
-                    "files": {**data_files, ".metadata": files.entry(data)}}
-        self.write_batch(str(path), [(os.path.join(path, MANIFEST), files.json_bytes(manifest)),
-                                     (os.path.join(path, ".metadata"), data)])
 
     def _make_room(self, path: str) -> str:
         """Rank 0: empty `path` of this job's old files ("" when done), never touching

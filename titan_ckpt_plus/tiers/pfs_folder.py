@@ -30,13 +30,14 @@ class NeedsTorch(Exception):
 
 class PfsFolder:
     def __init__(self, folder: str, rank: int, world_size: int, keep_latest_k: int,
-                 job_id: str = "", reuse_files: bool = True) -> None:
+                 job_id: str = "", reuse_files: bool = True, write_batch=files.write_batch) -> None:
         self.folder = folder
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self.keep_latest_k = keep_latest_k
         self.reuse_files = reuse_files  # [checkpoint] pfs_reuse_files: see _spare
+        self.write_batch = write_batch  # files.write_batch's, or the byte helper's (the drain's channel)
 
     def _dir(self, step: int, beside_export: bool = False) -> str:
         return os.path.join(self.folder, FULL_STATE if beside_export else "", f"step-{step}")
@@ -96,6 +97,38 @@ class PfsFolder:
         one ("?") is not counted: recovery's checks skip it, and retention keeps it."""
         owners = self.owners() | {s: read_owner(self._dir(s)) for s in self.exports()}
         return {s: o for s, o in owners.items() if o not in (None, "?", self.job_id)}
+
+    def seal(self, step: int, path: str, data_files: dict, metadata: bytes) -> None:
+        """Rank 0: the step's manifest, then its .metadata (`metadata`, the pickled
+        Metadata) that makes the step complete (DCP's own rule), both fsync'd before
+        either is renamed into place."""
+        manifest = {"step": step, "job_id": self.job_id, "kind": "full",
+                    "files": {**data_files, ".metadata": files.entry(metadata)}}
+        self.write_batch(str(path), [(os.path.join(path, MANIFEST), files.json_bytes(manifest)),
+                                     (os.path.join(path, ".metadata"), metadata)])
+
+    def seal_kept(self, gathered: list, step: int, path: str, metadata: bytes, lengths: dict) -> bool:
+        """Rank 0 seals a kept plan's step with `metadata`, pickled before the copy, if
+        every rank wrote its part (`gathered`: copy_once_agreed's) and each file's small
+        items are as long as `lengths` (file -> lengths) says, which is where that
+        Metadata puts them. False: not sealed; PfsTier then fails the step or pickles
+        where the small items moved."""
+        if any(why or any(lengths.get(name, []) != list(got) for name in written)
+               for why, written, got in gathered):
+            return False
+        self.seal(step, path, {k: v for _, written, _ in gathered for k, v in written.items()}, metadata)
+        return True
+
+    def purge_outcome(self) -> tuple[str, object]:
+        """purge() as an outcome to send back: ("purged", [steps]),
+        ("torch", why: a step only torch can tell; the process purges), or ("failed",
+        why: warned about; the next drain's retention catches up)."""
+        try:
+            return "purged", self.purge()
+        except NeedsTorch as e:
+            return "torch", str(e)
+        except OSError as e:
+            return "failed", repr(e)
 
     def purge(self) -> list[int]:
         """Rank 0 keeps the newest `keep_latest_k` complete steps of this job (0 keeps
