@@ -584,3 +584,42 @@ def test_cuda_registration_runs_on_its_own_thread_on_the_ranks_device(monkeypatc
     with pytest.raises(RuntimeError, match="cudaHostRegister of 1048576 bytes returned CUDA error 801"):
         staging.register_with_cuda(buf)
     assert device[main] == 3
+
+
+def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_path):
+    """The exchange itself fails (a peer gone, the group's timeout): the save is counted
+    failed and not committed, the writer thread lives on, and the next save commits."""
+    import threading
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+    from titan_ckpt_plus.telemetry import EventLog
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    state = {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}}
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"), local_interval=1,
+                     pfs_interval=1000, local_keep=3, pfs_keep=3, rank=0, world_size=1, first_on_node=True,
+                     job_id="J")
+    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+
+    def broken(*_a, **_k):
+        raise RuntimeError("[gloo] Connection closed by peer")
+    ckpt.placement = SimpleNamespace(peers=lambda r: [0], sources=lambda r: [0])
+    ckpt.wire = SimpleNamespace(exchange=broken)
+    writer_alive = True
+    try:
+        for step in (1, 2):
+            flushed = threading.Thread(target=lambda: (ckpt.save(step), ckpt.flush()), daemon=True)
+            flushed.start()
+            flushed.join(timeout=30)
+            writer_alive = not flushed.is_alive()
+            assert writer_alive, f"step {step}'s save never ended: the writer thread is gone"
+            ckpt.placement = None  # step 2 replicates nothing
+        assert ckpt.stats.failed_replicas == 1 and ckpt.stats.saves == 1
+        assert ckpt.local.committed_steps() == [2]
+    finally:
+        if writer_alive:  # else close() would wait for it for ever
+            ckpt.close()
+        dist.destroy_process_group()

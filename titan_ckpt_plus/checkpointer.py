@@ -782,7 +782,10 @@ class TieredCheckpointer:
     def _replicate(self, job: _Job, own: Part | None) -> bool:
         """Send this rank's part to its peers and store its sources' parts, verified
         and fsync'd, before the commit vote: a committed step never relies on a
-        half-sent copy. Runs on every rank, failed or not, to keep the group in step."""
+        half-sent copy. Runs on every rank, failed or not, to keep the group in step.
+        An exchange that fails itself (a peer gone, the group's timeout) fails the save
+        and ends this save's exchanges (the pairs are out of step), but not the writer:
+        the vote still comes, and the next save tries again."""
         faults.maybe_kill("kill_during_replication", job.step)
         t0, ok, received = time.monotonic(), True, 0
         limit = 4 * (own.nbytes() if own else 0) + (64 << 20)
@@ -800,9 +803,10 @@ class TieredCheckpointer:
                     sink.finish(part.manifest, part.layout)
                 received += len(part.manifest) + len(part.layout) + data["size"]
             except Exception as e:
-                if why is None:  # the exchange itself failed (its files are gone): not a bad copy
-                    raise
                 ok = False
+                if why is None:  # the exchange itself failed (its files are gone): not a bad copy
+                    self.record_failure("replica", job.step, f"exchange with ranks {peer}/{src} failed: {e!r}")
+                    break
                 self.record_failure("replica", job.step, f"copy of rank {src}: {e}")
         seconds = time.monotonic() - t0
         sent = (own.nbytes() if own else 0) * len(peers)
