@@ -46,7 +46,8 @@ class GlooVotes:
         """A kept plan's drain (pfs_folder.copy_once_agreed): the start agreement, then
         `writer`'s copy (a prepared PartCopyWriter; by the byte helper if there is one)
         and the gather of every rank's (why, entries, small items' lengths). Returns
-        those and None: rank 0 seals the step itself (`seal` is HubVotes')."""
+        those and None: rank 0 seals the step itself (PfsTier gives a `seal` only to
+        HubVotes)."""
         return *copy_once_agreed(lambda f: all_ranks(f, self.pg), flags, writer.copy,
                                  lambda obj: gather(obj, self.pg), why, writer.small_lengths), None
 
@@ -88,8 +89,8 @@ class HubVotes:
         """The writer's vote (all_ranks of `flags`). By the helper, in the same request:
         if the first flag holds on every rank, the commit marker (`marker`: its fields,
         None: not this rank's) and then local retention (LocalTier.retain's `keep`).
-        Returns the flags and the marker's error (None: written) if the helper did
-        that, else None: the caller does it."""
+        Returns the flags and the marker's error ("": written, or not this rank's)
+        if the helper did that, else None: the caller does it."""
         key, flags = self._key(step, "vote"), [bool(f) for f in flags]
 
         def here():

@@ -426,6 +426,7 @@ class PfsTier(PfsFolder):
             writer.prepare(kept.plan, kept)
             if self.rank == 0:
                 kept.metadata.storage_meta = writer.storage_meta()
+            if self.rank == 0 and votes.kind == "hub":  # the byte helper's to seal
                 seal = (step, writer.path, kept.pickler.dumps(kept.metadata),
                         {name: known for name, (_, _, known) in kept.small_items.items()})
         except Exception as e:  # this rank copies nothing; every rank still reaches the gather
