@@ -376,10 +376,10 @@ def _assert_pfs_step_loads(ckpt: TieredCheckpointer, step: int, state: dict) -> 
         assert torch.equal(loaded["model"][k], v), (step, k)
 
 
-def _save_and_flush(ckpt: TieredCheckpointer, state: dict, steps) -> None:
-    """Each step's state saved and flushed to its tiers."""
+def _save_and_flush(ckpt: TieredCheckpointer, state: dict, steps, make=_state) -> None:
+    """Each step's state (`make(step)`) saved and flushed to its tiers."""
     for step in steps:
-        state.update(_state(step))
+        state.update(make(step))
         ckpt.save(step)
         ckpt.flush()
 
@@ -569,10 +569,7 @@ def test_rank_0s_seal_and_pfs_retention_are_in_a_kept_drains_one_request(one_ran
     ckpt = _engine(tmp_path, state, pfs_interval=2)  # pfs_keep 3
     pg = dist.group.WORLD
     try:
-        for step in range(1, 9):
-            state.update(_noted(step, 10))
-            ckpt.save(step)
-            ckpt.flush()
+        _save_and_flush(ckpt, state, range(1, 9), lambda step: _noted(step, 10))
         served = ckpt.helper.served
         # only the layout's first drain (step 2, DCP's plan) sealed and purged in requests of their own
         assert (served["planned"], served["files"], served["purge"]) == (3, 1, 1)
@@ -580,9 +577,8 @@ def test_rank_0s_seal_and_pfs_retention_are_in_a_kept_drains_one_request(one_ran
         assert ckpt.pfs.verify(8, pg) == (True, "")
         _assert_pfs_step_loads(ckpt, 8, state)
 
-        state.update(_noted(10, 5000))  # the note's item grows: its length and the .metadata move
-        ckpt.save(10)
-        ckpt.flush()
+        # the note's item grows: its length and the .metadata move
+        _save_and_flush(ckpt, state, [10], lambda step: _noted(step, 5000))
         assert (served["planned"], served["files"], served["purge"]) == (4, 2, 2)
         assert ckpt.pfs.steps() == [6, 8, 10] and ckpt.pfs.verify(10, pg) == (True, "")
         loaded = {"train_state": {"step": 0, "note": ""}}
@@ -590,9 +586,7 @@ def test_rank_0s_seal_and_pfs_retention_are_in_a_kept_drains_one_request(one_ran
         assert loaded["train_state"] == {"step": 10, "note": "x" * 5000}
 
         _pfs_step(tmp_path / "pfs", 3, manifest=False)  # stock torchtitan's: only its .metadata tells
-        state.update(_noted(12, 5000))
-        ckpt.save(12)
-        ckpt.flush()
+        _save_and_flush(ckpt, state, [12], lambda step: _noted(step, 5000))
         assert (served["planned"], served["files"], served["purge"]) == (5, 2, 2)
         assert ckpt.pfs.steps() == [8, 10, 12] and ckpt.pfs.verify(12, pg) == (True, "")
         assert ckpt.stats.drains == 6 and ckpt.stats.failed_drains == 0
