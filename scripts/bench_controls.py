@@ -243,7 +243,7 @@ def main() -> None:
                 run(work, flavor, kind, floor_cpu or 0.0)
                 if floor_cpu is None:  # the rank's bytes, from the first tiers job
                     nbytes = int(statistics.median(e["bytes"] for e in bo.ckpt_events(work, "local_commit")))
-                    floor_cpu, kernel_s = bo.floor_s(nbytes), bo.write_kernel_s(nbytes, base)
+                    floor_cpu, kernel_s = bo.floor_s(nbytes), bo.write_kernel_s(nbytes, base)[0]
                 shares[kind].append(statistics.median(inflation(work, steps)))
                 unds.append(statistics.median(bo.classify_steps(work, steps)["undisturbed"]))
         und = statistics.median(unds)

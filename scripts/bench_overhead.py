@@ -510,35 +510,58 @@ def _kernel_jiffies() -> int:
     return fields[2] + fields[5] + fields[6]
 
 
-def _page_aligned(nbytes: int) -> memoryview:
+def _page_aligned(nbytes: int, shared: bool = False) -> memoryview:
     """`nbytes` (whole pages) in the plugin's own staging buffer, filled: what the
-    local writer hands O_DIRECT."""
+    local writer hands O_DIRECT (`shared`: the byte helper's, shared memory)."""
     from titan_ckpt_plus.staging import HostBuffer
 
-    return memoryview(HostBuffer(pin=False).ensure(nbytes // files.PAGE * files.PAGE).fill_(3).numpy())
+    buf = HostBuffer(pin=False, shared=shared).ensure(nbytes // files.PAGE * files.PAGE)
+    return memoryview(buf.fill_(3).numpy())
 
 
-def write_kernel_s(nbytes: int, folder: Path, total: int = 2 << 30) -> float:
+def write_kernel_s(nbytes: int, folder: Path, total: int = 2 << 30, shared: bool = False) -> tuple[float, float]:
     """The kernel's CPU time (any core, any thread) to write `nbytes` durably the
     way the local tier does (files.DurableBatch: O_DIRECT from the staging buffer,
-    fsync'd), measured over about `total` bytes so the clock tick (10 ms) does not
-    round it away, machine otherwise idle. What no in-process write of the bytes can
-    avoid on this machine's disk: the share of a save's cost that the floor (memcpy +
-    CRC) leaves out."""
-    buf = _page_aligned(nbytes)
+    fsync'd), and the write's wall time, measured over about `total` bytes so the
+    clock tick (10 ms) does not round it away, machine otherwise idle. What no
+    in-process write of the bytes can avoid on this machine's disk: the share of a
+    save's cost that the floor (memcpy + CRC) leaves out. `shared`: from the byte
+    helper's shared buffer (_page_aligned)."""
+    buf = _page_aligned(nbytes, shared)
     path, spare = str(folder / "write-floor"), str(folder / "write-floor.spare")
-    rounds, hz, spent = max(1, total // nbytes), os.sysconf("SC_CLK_TCK"), []
+    rounds, hz, spent, walls = max(1, total // nbytes), os.sysconf("SC_CLK_TCK"), [], []
     for _ in range(3):  # the median: other kernel work (reclaim, the VM's timers) comes and goes
-        k0 = _kernel_jiffies()
+        k0, t0 = _kernel_jiffies(), time.perf_counter()
         for _ in range(rounds):
             with files.DurableBatch() as batch:
                 batch.write(path, buf, known_crc=lambda: 0, reuse=spare)  # the CRC is the floor's
             files.retire(path, spare)
         spent.append((_kernel_jiffies() - k0) / hz / rounds)
+        walls.append((time.perf_counter() - t0) / rounds)
     for p in (path, spare):
         if os.path.exists(p):
             os.remove(p)
-    return statistics.median(spent)
+    return statistics.median(spent), statistics.median(walls)
+
+
+def page_rows(nbytes: int, folder: Path) -> list[tuple]:
+    """The local write of `nbytes` from the threads' buffer (anonymous memory, huge
+    pages where Linux gives them) against the byte helper's (shared memory: huge
+    pages only where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows), in
+    turn: O_DIRECT pins every page it writes from, and the kernel's time for it is
+    taken from the training ranks' cores."""
+    got = {False: [], True: []}
+    for _ in range(2):
+        for shared in (False, True):
+            got[shared].append(write_kernel_s(nbytes, folder, shared=shared))
+    (k_anon, w_anon), (k_shm, w_shm) = (tuple(map(statistics.median, zip(*got[s]))) for s in (False, True))
+    mode = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+    shmem = mode.read_text().split("[")[1].split("]")[0] if mode.exists() else "unknown"
+    return [(f"local write of {nbytes / 2**20:.1f} MiB from the threads' buffer (anonymous, huge pages): "
+             "kernel CPU / wall", f"{k_anon * 1e3:.0f} ms / {w_anon * 1e3:.0f} ms", "", None),
+            (f"the same from the byte helper's shared buffer (shmem_enabled = {shmem}): kernel CPU / wall",
+             f"{k_shm * 1e3:.0f} ms / {w_shm * 1e3:.0f} ms ({k_shm - k_anon:+.3f} s / {w_shm - w_anon:+.3f} s)",
+             "", None)]
 
 
 def _bench_checkpointer(nbytes: int, folder: Path, nice: int, idle: bool, byte_helper: bool = False):
@@ -1047,6 +1070,8 @@ def main() -> None:
                     help=f"with --launch-bound-only: which ways, of {','.join(LAUNCH_WAYS)}")
     ap.add_argument("--launch-reps", type=int, default=LAUNCH_REPS,
                     help="with --launch-bound-only: rounds of the ways")
+    ap.add_argument("--pages-only", action="store_true",
+                    help="only the local write from the threads' buffer against the byte helper's, printed")
     ap.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section --update writes")
     ap.add_argument("--memory-only", action="store_true",
                     help="only the plugin's own host memory, no training (plugin_memory), in its own section")
@@ -1064,6 +1089,12 @@ def main() -> None:
         return
     if args.memory_only:
         memory_only(args.update)
+        return
+    if args.pages_only:
+        base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+        for what, got, want, ok in page_rows(LAUNCH_BOUND_BYTES, base):
+            print(f"| {what} | {got} | {want} | {_verdict(ok)} |")
+        shutil.rmtree(base, ignore_errors=True)
         return
     if args.launch_bound_only:
         base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))

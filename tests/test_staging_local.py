@@ -484,7 +484,7 @@ def test_write_pieces_cover_the_file_in_whole_pages_but_a_lone_tail(n):
     """A small first piece (the disk starts before the staging copy is far along),
     then CHUNK-sized ones; only a last partial page may be ragged, so it alone goes
     through the page cache."""
-    pieces = files._chunks(n)
+    pieces = list(files._chunks(n))
     ends = [b for _, b in pieces]
     assert [a for a, _ in pieces] == [0, *ends[:-1]][: len(pieces)] and (ends[-1] if ends else 0) == n
     sizes = [b - a for a, b in pieces]
@@ -493,6 +493,38 @@ def test_write_pieces_cover_the_file_in_whole_pages_but_a_lone_tail(n):
     assert all(s <= files.CHUNK for s in sizes)
     if n >= 2 * files.FIRST_CHUNK:
         assert sizes[0] == files.FIRST_CHUNK and sizes[1] > files.FIRST_CHUNK
+
+
+def test_a_write_behind_the_staging_copy_takes_all_that_is_staged_in_one_call(tmp_path, monkeypatch):
+    """Each write call is a time the writer thread takes the GIL back from training:
+    a piece runs on over every whole page the copy has staged, so a copy that is
+    ahead is written in fewer calls (not one CHUNK at a time), and never past what is
+    staged. The bytes and the checksum are the same either way."""
+    n = (100 << 20) + 123
+    data = os.urandom(n)
+    sizes = []
+    real = files.write_all
+    monkeypatch.setattr(files, "write_all", lambda fd, chunk: (sizes.append(len(chunk)), real(fd, chunk)))
+
+    def staged_by(plan):  # the copy's progress as the writer finds it at each wait
+        seen = []
+
+        def ready(end):
+            seen.append(end)
+            return max(end, plan.pop(0) if plan else n)
+        return ready, seen
+
+    ready, seen = staged_by([files.FIRST_CHUNK, (60 << 20) + 5, n])
+    entry = files.write_durable(str(tmp_path / "a.data"), data, before_chunk=ready)
+    assert entry == {"size": n, files.SUM: files.checksum(data)}
+    assert (tmp_path / "a.data").read_bytes() == data
+    # 4 MiB, then up to the last whole page staged (60 MiB), then the rest but the tail
+    assert sizes[:3] == [files.FIRST_CHUNK, (60 << 20) - files.FIRST_CHUNK, (n - (60 << 20)) // files.PAGE * files.PAGE]
+    assert sizes[3:] == [n % files.PAGE] and seen[-1] == n
+
+    sizes.clear()  # a copy only just ahead: the planned pieces, none larger than CHUNK
+    files.write_durable(str(tmp_path / "b.data"), data, before_chunk=lambda end: end)
+    assert sizes == [b - a for a, b in files._chunks(n)] and max(sizes) <= files.CHUNK
 
 
 @pytest.mark.parametrize("mib", [1, 36, 586, 12 << 10])

@@ -269,13 +269,15 @@ class StagingProgress:
         if self.listener is not None:
             self.listener(None)
 
-    def wait(self, upto: int) -> None:
-        """Block until the first `upto` bytes are staged; raise if staging failed."""
+    def wait(self, upto: int) -> int:
+        """Block until the first `upto` bytes are staged; returns how many are; raises
+        if staging failed."""
         with self._cv:
             while self.done < upto and not self.failed:
                 self._cv.wait()
             if self.done < upto:
                 raise RuntimeError("staging failed before these bytes were copied")
+            return self.done
 
 
 HUGE_PAGE = 2 << 20

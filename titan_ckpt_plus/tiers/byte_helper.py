@@ -457,13 +457,15 @@ class _Helper:
                 raise RuntimeError(f"staging buffer {gen} was never shared with the helper")
             return memoryview(self.buffers[gen])
 
-    def wait_staged(self, step: int, upto: int) -> None:
+    def wait_staged(self, step: int, upto: int) -> int:
+        """As StagingProgress.wait, for the copy the rank reports."""
         with self.cv:
             self.staged = {s: n for s, n in self.staged.items() if s >= step}  # writes come in step order
             while (self.staged.get(step) or 0) < upto and self.staged.get(step, 0) is not None:
                 self.cv.wait()
             if self.staged.get(step, 0) is None:
                 raise RuntimeError("staging failed before these bytes were copied")
+            return self.staged[step]
 
     def local_work(self, sock, kind: str, step: int, *args):
         if kind == "vote":  # keyed by the exchange

@@ -251,22 +251,31 @@ def write_all(fd: int, chunk: memoryview) -> None:
         chunk = chunk[os.write(fd, chunk):]
 
 
-def _chunks(n: int) -> list[tuple[int, int]]:
+def _chunks(n: int, ready=None):
     """(start, end) pieces of a write: a small first one, so the disk starts while
     the staging copy fills the next; then CHUNK, few enough that the writer thread
     seldom has to take the GIL back from the training thread. Every piece is whole
     pages but the last partial page, alone: O_DIRECT takes whole pages only, and only
-    that page then goes through the page cache."""
+    that page then goes through the page cache. `ready(end)`, if given, blocks until
+    the first `end` bytes are there (the write follows the staging copy) and returns
+    how many are: a piece then runs on over every whole page already there, so a
+    copy that is ahead is written in fewer calls, each one a time the writer takes
+    the GIL back (issue 15)."""
     def pages(size: int) -> int:
         return max(PAGE, min(size, n // 2) // PAGE * PAGE)
 
     whole = n // PAGE * PAGE
-    out, start, size = [], 0, pages(FIRST_CHUNK)
+    start, size = 0, pages(FIRST_CHUNK)
     while start < whole:
         end = min(whole, start + size)
-        out.append((start, end))
+        if ready is not None:
+            end = max(end, min(whole, (ready(end) or 0) // PAGE * PAGE))
+        yield start, end
         start, size = end, pages(CHUNK)
-    return out + [(whole, n)] if whole < n else out
+    if whole < n:
+        if ready is not None:
+            ready(n)
+        yield whole, n
 
 
 class DurableBatch:
@@ -299,7 +308,7 @@ class DurableBatch:
               reuse: str | None = None) -> dict:
         """Write `data` (a buffer) for `path`; returns its manifest entry.
         `before_chunk(end)` may block until data[:end] is ready (the write follows the
-        staging copy); `on_chunk(bytes_written)` runs between chunks (fault injection);
+        staging copy) and returns how much is (_chunks); `on_chunk(bytes_written)` runs between chunks (fault injection);
         `known_crc()`, if given, is the CRC-32C of all of `data` once it is ready (the
         staging copy took it), so none is computed here; `reuse`: a retired file to
         write over (_open_for_write)."""
@@ -310,11 +319,9 @@ class DurableBatch:
         self._open.append((fd, tmp, path))
         # a small file in one write: pieces matter only to O_DIRECT and to a write
         # that follows the staging copy
-        pieces = _chunks(len(view)) if direct or before_chunk or on_chunk else [(0, len(view))]
+        pieces = _chunks(len(view), before_chunk) if direct or before_chunk or on_chunk else [(0, len(view))]
         for start, end in pieces:
             chunk = view[start:end]
-            if before_chunk:
-                before_chunk(end)
             if known_crc is None:
                 crc = checksum(chunk, crc)
             if direct and len(chunk) % PAGE:  # O_DIRECT takes whole pages only
