@@ -1090,15 +1090,12 @@ def main() -> None:
     if args.memory_only:
         memory_only(args.update)
         return
-    if args.pages_only:
+    if args.pages_only or args.launch_bound_only:  # a few rows, printed
         base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-        for what, got, want, ok in page_rows(LAUNCH_BOUND_BYTES, base):
-            print(f"| {what} | {got} | {want} | {_verdict(ok)} |")
-        shutil.rmtree(base, ignore_errors=True)
-        return
-    if args.launch_bound_only:
-        base = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
-        rows = launch_bound_rows(LAUNCH_BOUND_BYTES, base, tuple(args.launch_ways.split(",")), args.launch_reps)
+        if args.pages_only:
+            rows = page_rows(LAUNCH_BOUND_BYTES, base)
+        else:
+            rows = launch_bound_rows(LAUNCH_BOUND_BYTES, base, tuple(args.launch_ways.split(",")), args.launch_reps)
         for what, got, want, ok in rows:
             print(f"| {what} | {got} | {want} | {_verdict(ok)} |")
         shutil.rmtree(base, ignore_errors=True)

@@ -269,7 +269,7 @@ def _chunks(n: int, ready=None):
     while start < whole:
         end = min(whole, start + size)
         if ready is not None:
-            end = max(end, min(whole, (ready(end) or 0) // PAGE * PAGE))
+            end = min(whole, ready(end) // PAGE * PAGE)  # >= end: ready(end) waits for it
         yield start, end
         start, size = end, pages(CHUNK)
     if whole < n:
@@ -308,7 +308,8 @@ class DurableBatch:
               reuse: str | None = None) -> dict:
         """Write `data` (a buffer) for `path`; returns its manifest entry.
         `before_chunk(end)` may block until data[:end] is ready (the write follows the
-        staging copy) and returns how much is (_chunks); `on_chunk(bytes_written)` runs between chunks (fault injection);
+        staging copy) and returns how much is (_chunks); `on_chunk(bytes_written)` runs
+        between chunks (fault injection);
         `known_crc()`, if given, is the CRC-32C of all of `data` once it is ready (the
         staging copy took it), so none is computed here; `reuse`: a retired file to
         write over (_open_for_write)."""
