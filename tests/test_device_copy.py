@@ -237,7 +237,7 @@ class TodaysCopy(CudaCopy):
     """HostBuffer.copy_in before this module: copies on the thread's current stream,
     then torch.cuda.synchronize(), then everything reported staged."""
 
-    def run(self, groups, progress=None):
+    def run(self, groups, progress=None, clear=None):
         try:
             for dst, src, _ in groups:
                 torch._foreach_copy_(dst, src, non_blocking=True)
@@ -259,10 +259,10 @@ class TodaysDevice(CudaDevice):
 
 
 class ReportsEarly(CudaCopy):
-    def run(self, groups, progress=None):
+    def run(self, groups, progress=None, clear=None):
         for _, _, upto in groups:
             progress.advance(upto)
-        super().run(groups, progress)
+        super().run(groups, progress, clear)
 
 
 class ReportsEarlyDevice(CudaDevice):
@@ -324,10 +324,10 @@ def test_cpu_save_point_then_copy_then_wait_before_the_update(one_rank, tmp_path
     order = []
 
     class SlowCopy(device_copy.Copy):
-        def run(self, groups, progress=None):
+        def run(self, groups, progress=None, clear=None):
             order.append(("copy", threading.current_thread().name))
             threading.Event().wait(0.3)
-            super().run(groups, progress)
+            super().run(groups, progress, clear)
             order.append(("copied", threading.current_thread().name))
 
     class Recording(device_copy.Device):
@@ -482,7 +482,8 @@ def test_save_does_not_wait_for_a_drain_still_copying_from_the_buffer(one_rank, 
     ckpt = _engine(tmp_path, state, device_copy.Device())
     loan = StagedBytes(bytearray(8), reclaimable=True)
     ckpt._loans.append(loan)
-    loan.lock.acquire()  # the drain, mid-piece
+    assert not loan.claim(0)  # the drain, mid-piece: its first piece from the buffer
+    loan.lock.acquire()
     released = threading.Event()
 
     def piece_written():
@@ -551,7 +552,8 @@ def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(
         t.add_(1)
     loan = StagedBytes(bytearray(8), reclaimable=True)
     ckpt._loans.append(loan)
-    loan.lock.acquire()  # a drain, mid-piece
+    assert not loan.claim(0)  # a drain, mid-piece: its first piece from the buffer
+    loan.lock.acquire()
     timer = threading.Timer(1.0, loan.lock.release)
     timer.start()
     t0 = time.monotonic()

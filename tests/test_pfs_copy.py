@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_ckpt_plus import inspect, staging
+from titan_ckpt_plus import drain, inspect, staging
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.drain import PartSource, StagedBytes
 from titan_ckpt_plus.tiers import files, pfs as pfs_mod
@@ -89,11 +89,12 @@ def _check_equal(back, want):
         assert torch.equal(a, b) and a.dtype == b.dtype
 
 
-def test_the_drain_yields_to_training_only_while_it_checksums(pg, tmp_path):
+def test_the_drain_yields_to_training_only_while_it_checksums(pg, tmp_path, monkeypatch):
     """The drain thread stays in its own (normal) class while it only waits for the
     disk: a verbatim copy from memory. Its pieces are taken in `yielding()` (SCHED_IDLE
     in the engine) while their bytes are checksummed: read back from the file, or not
     the whole part, and from the moment the next save takes the buffer back."""
+    monkeypatch.setattr(drain, "MEMORY_PIECE", files.CHUNK)  # a part of several pieces, as 100M's
     local = LocalTier(str(tmp_path / "local"), 0, 1, True, 2, job_id="J")
     layout, _, data = _stage_and_write(local, 3, _state(3))
     whole, total = open(local._part(3, "data"), "rb").read(), layout.total_bytes
@@ -135,6 +136,31 @@ def test_the_drain_yields_to_training_only_while_it_checksums(pg, tmp_path):
     assert got == whole and all(inside)  # from the file: checked as read
     got, inside = take(source(), everything, take_back_after=0)
     assert got == whole and inside[0] is False and all(inside[1:])  # the buffer taken back
+
+
+def test_the_next_copy_waits_for_the_drains_piece_only_where_it_reaches_it():
+    """A save taking the buffer back from a drain mid-piece returns at once; its copy
+    overwrites the bytes below the piece without waiting, and waits for the piece
+    only before it overwrites the piece's bytes. The drain begins no other piece from
+    memory, and a drain with no piece begun never holds the copy up."""
+    loan = StagedBytes(bytearray(100 << 20), reclaimable=True)
+    pieces = files.memory_pieces(loan.data, [(0, len(loan.data))], loan.lock, loan.claim, 32 << 20)
+    assert next(pieces)[0] == 0 and next(pieces)[0] == 32 << 20  # writing the second piece
+    clear = loan.take_back()
+    clear(32 << 20)  # below the piece: at once
+    late = threading.Thread(target=clear, args=(40 << 20,))
+    late.start()
+    late.join(0.2)
+    assert late.is_alive(), "overwrote the piece being written"
+    with pytest.raises(StopIteration) as stop:
+        next(pieces)  # that piece written: the rest comes from the file, from the next one
+    assert stop.value.value == 64 << 20
+    late.join(5)
+    assert not late.is_alive()
+    idle = StagedBytes(bytearray(8), reclaimable=True)
+    idle.lock.acquire()  # held, but by no piece from the buffer
+    idle.take_back()(8)
+    assert idle.claim(0)  # taken back: a drain starting now reads the file
 
 
 def test_a_local_part_becomes_a_dcp_step_without_serializing_its_tensors(pg, tmp_path):
@@ -183,6 +209,7 @@ def test_staged_bytes_taken_back_mid_copy_and_unlent_ones_drain_to_the_same_file
     failed: no file, the CRC computed on the way): the same file every time. Only the
     first drain of the layout goes through dcp.save; the later ones, another step
     with other values included, reuse its plan and .metadata and load their own values."""
+    monkeypatch.setattr(drain, "MEMORY_PIECE", files.CHUNK)  # a part of several pieces, as 100M's
     planned = []
     real_save = dcp.save
     monkeypatch.setattr(dcp, "save", lambda *a, **k: (planned.append(1), real_save(*a, **k))[1])
@@ -203,11 +230,12 @@ def test_staged_bytes_taken_back_mid_copy_and_unlent_ones_drain_to_the_same_file
         taker: list = []
 
         def write_then_take_back(self, data, crc=True):
-            if not taker:  # during the first piece, the next save's copy thread asks for the buffer
-                taker.append(threading.Thread(target=staged.take_back))
+            if not taker:  # during the first piece, the next save's copy thread asks for the
+                # buffer and would overwrite all of it
+                taker.append(threading.Thread(target=lambda: staged.take_back()(len(memory.numpy()))))
                 taker[0].start()
                 taker[0].join(0.2)
-                assert taker[0].is_alive(), "took the buffer back while its piece was being written"
+                assert taker[0].is_alive(), "overwrote the buffer while its piece was being written"
             real_write(self, data, crc)
 
         monkeypatch.setattr(files.Appender, "write", write_then_take_back)

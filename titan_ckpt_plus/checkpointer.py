@@ -388,17 +388,24 @@ class TieredCheckpointer:
         """Whether a drain still reads the staging buffer (a loan it has not returned)."""
         return not all(loan.returned for loan in self._loans)
 
-    def _take_back_loans(self) -> None:
+    def _take_back_loans(self) -> Callable[[int], None]:
         """Before the buffer is written again: a drain still copying from it goes on
-        from the local file. Called by the copy thread, not in save(): a drain lets go
-        only once the piece it is writing to the PFS is written, and the training
-        thread must not wait on the PFS (it waits for the copy only before
-        optimizer.step()). An inline copy may wait here for that one piece only on the
+        from the local file. Returns `clear(upto)` for the copy (StagedBytes.take_back):
+        a drain lets go only once the piece it is writing to the PFS is written, so
+        the copy may wait there for it. Called by the copy thread, not in save(): the
+        training thread must not wait on the PFS (it waits for the copy only before
+        optimizer.step()). An inline copy may wait for that one piece only on the
         last step (which flushes anyway) and with early_step_in_backward: with
         staging_copy = "save" the copy goes back to the copy thread while a drain still
         reads the buffer."""
+        clears = []
         while self._loans:
-            self._loans.pop().take_back()
+            clears.append(self._loans.pop().take_back())
+
+        def clear(upto: int) -> None:
+            for c in clears:
+                c(upto)
+        return clear
 
     def _copy_loop(self) -> None:
         while (work := self._copy_q.get()) is not None:
@@ -410,8 +417,8 @@ class TieredCheckpointer:
         faults.maybe_kill("kill_during_staging", job.step)
         faults.maybe_delay("slow_staging", job.step)
         try:
-            self._take_back_loans()
-            self.buffer.copy_in(job.layout, tensors, job.progress, copy)
+            clear = self._take_back_loans()
+            self.buffer.copy_in(job.layout, tensors, job.progress, copy, clear)
             # The writer needs these only after the data: made here, they overlap the disk.
             job.layout_bytes, job.fingerprint = job.layout.to_bytes(), job.layout.fingerprint()
             job.ok = True

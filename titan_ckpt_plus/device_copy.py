@@ -31,15 +31,19 @@ class Copy:
     def __init__(self) -> None:
         self.issued = threading.Event()  # no more copies will be issued
 
-    def run(self, groups: list, progress=None) -> None:
+    def run(self, groups: list, progress=None, clear=None) -> None:
         """`groups`: (buffer views, source tensors, bytes staged once they are copied),
-        in buffer order, one foreach copy each; progress is reported per group (and
+        in buffer order, one foreach copy each, `clear(bytes staged once copied)`
+        called before each (a drain may still write those bytes of the buffer);
+        progress is reported per group (and
         the group checksummed while it is in the cache: staging.StagingProgress). On
         CPU that checksum comes before `issued`, so a step whose forward and backward
         are shorter than the copy and its CRC waits for both (measured: the delta
         stayed 2-5 ms on debugmodel and 100M); on a GPU it comes after."""
         try:
             for dst, src, upto in groups:
+                if clear is not None:
+                    clear(upto)
                 if dst:
                     torch._foreach_copy_(dst, src)
                 if progress is not None:
@@ -60,8 +64,9 @@ class CudaCopy(Copy):
         self.cuda, self.device, self.stream, self.point = cuda, device, stream, point
         self.done = None  # the copy stream's event after the last copy issued
 
-    def run(self, groups: list, progress=None) -> None:
-        """Issue every group on the copy stream after the save point, an event after
+    def run(self, groups: list, progress=None, clear=None) -> None:
+        """Issue every group on the copy stream after the save point (each once
+        `clear(upto)` returns, as on CPU), an event after
         each, then follow the events in order: a group is reported staged (and the
         writer reads it) only once its event has completed. `groups` keeps the source
         tensors referenced until then, so their memory cannot be handed to the
@@ -71,6 +76,8 @@ class CudaCopy(Copy):
             self.stream.wait_event(self.point)
             with self.cuda.stream(self.stream):
                 for dst, src, upto in groups:
+                    if clear is not None:
+                        clear(upto)
                     if dst:
                         torch._foreach_copy_(dst, src, non_blocking=True)
                     mark = self.cuda.Event(blocking=True)  # a host wait sleeps, not spins

@@ -427,12 +427,15 @@ class HostBuffer:
             self.fd = -1
 
     def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],
-                progress: StagingProgress | None = None, copy: Copy | None = None) -> None:
+                progress: StagingProgress | None = None, copy: Copy | None = None,
+                clear=None) -> None:
         """The blocking copy, in groups of about COPY_GROUP bytes, one foreach call
         each: the copy thread then takes the GIL back once per group, not once per
         tensor, so a training thread busy in Python does not slow it down tensor by
         tensor. `copy` runs them (device_copy.py: synchronously on CPU, on the rank's
-        copy stream on GPUs) and reports progress per group once its bytes are here."""
+        copy stream on GPUs) and reports progress per group once its bytes are here;
+        `clear(upto)` runs before a group that ends at `upto` is copied (a drain's
+        piece from the buffer written first: StagedBytes.take_back)."""
         views = self._views(self.ensure(layout.total_bytes), layout)
         if progress is not None:
             progress.checksum(self.data[: layout.total_bytes].numpy())
@@ -440,7 +443,7 @@ class HostBuffer:
         for end, upto in _groups(layout, COPY_GROUP):
             groups.append((views[start:end], tensors[start:end], upto))
             start = end
-        (copy or Copy()).run(groups, progress)
+        (copy or Copy()).run(groups, progress, clear)
 
     def _views(self, buf: torch.Tensor, layout: StateLayout) -> list[torch.Tensor]:
         """The buffer's view for every entry, made (and the frames written) once per

@@ -573,7 +573,7 @@ class _Helper:
         def pieces():
             if gen is not None:
                 switch[0] = yield from files.memory_pieces(self.view(gen), spans, self.memory,
-                                                           lambda: step in self.taken)
+                                                           lambda _: step in self.taken)
                 if switch[0] is None:
                     return
             if file is None:

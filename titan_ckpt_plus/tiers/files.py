@@ -391,17 +391,18 @@ class Appender:
             os.close(self.fd)
 
 
-def memory_pieces(data, spans: list, lock, taken_back):
+def memory_pieces(data, spans: list, lock, taken_back, size: int = CHUNK):
     """(offset, piece) of `spans` from `data` (a buffer the next save will take back),
-    `lock` held while the consumer writes each piece; returns the offset where a
-    reader must go on from elsewhere once `taken_back()`, None if it never was. The
-    take-back sets its flag, then takes `lock`: it waits for one piece at most."""
+    pieces of `size`, `lock` held while the consumer writes each; returns the offset
+    where a reader must go on from elsewhere once `taken_back(offset)` (asked before
+    each piece, with its offset), None if it never was. The take-back sets its flag,
+    then takes `lock` before it overwrites the piece's bytes: one piece at most."""
     for a, b in spans:
-        for p in range(a, b, CHUNK):
+        for p in range(a, b, size):
             with lock:
-                if taken_back():
+                if taken_back(p):
                     return p
-                yield p, data[p : min(p + CHUNK, b)]
+                yield p, data[p : min(p + size, b)]
     return None
 
 
