@@ -165,7 +165,7 @@ so it read lower than the peak during saves)."""
 MEMORY_READING = """The jobs' extra peak RSS (the overhead section) is a training job's heap
 with the tiers on less the same job's with checkpointing off, and with glibc's default heap
 either job's peak wanders from step to step by more than the target's margin (100M with
-checkpointing off: 1.6 to 2.3 GiB within one job; debugmodel: 0.02 GiB against 3.6 MiB).
+checkpointing off: 1.6 to 2.2 GiB within one job; debugmodel: 0.02 GiB against 3.6 MiB).
 That wandering is glibc's dynamic mmap threshold: it rises to the size of each large block
 freed (up to 32 MiB), and later blocks below it come from the heap, which keeps what is freed.
 The "heap held still" rows run the same two jobs with a fixed threshold
@@ -974,7 +974,7 @@ MEMORY_SECTION = "## Overhead controls: the plugin's own host memory"
 # glibc's heap held still, in both jobs of a memory pair: a fixed mmap threshold turns off
 # its dynamic one, which rises to each large block freed (up to 32 MiB) and then keeps
 # freed blocks below it in the heap. With it the same 100M job with checkpointing off
-# peaked at 1.43 GiB from its second step on in two runs, against 1.6-2.3 GiB wandering
+# peaked at 1.43 GiB from its second step on in two runs, against 1.6-2.2 GiB wandering
 # from step to step with the default; its steps took 1.8x as long (a page fault per page
 # of every large tensor), so only the memory rows run with it.
 HEAP_HELD_STILL = {"MALLOC_MMAP_THRESHOLD_": str(256 << 10)}

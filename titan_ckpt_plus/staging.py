@@ -436,7 +436,7 @@ class HostBuffer:
         copy stream on GPUs) and reports progress per group once its bytes are here;
         `clear(upto)` runs before a group that ends at `upto` is copied (a drain's
         piece from the buffer written first: StagedBytes.take_back)."""
-        views = self._views(self.ensure(layout.total_bytes), layout)
+        views = self._views(self.ensure(layout.total_bytes), layout, clear)
         if progress is not None:
             progress.checksum(self.data[: layout.total_bytes].numpy())
         groups, start = [], 0
@@ -445,11 +445,14 @@ class HostBuffer:
             start = end
         (copy or Copy()).run(groups, progress, clear)
 
-    def _views(self, buf: torch.Tensor, layout: StateLayout) -> list[torch.Tensor]:
+    def _views(self, buf: torch.Tensor, layout: StateLayout, clear=None) -> list[torch.Tensor]:
         """The buffer's view for every entry, made (and the frames written) once per
-        buffer and layout: every save of a job has the same layout."""
+        buffer and layout: every save of a job has the same layout. The frames span
+        the buffer, so a drain's piece in flight is written first (`clear`)."""
         key = (buf.data_ptr(), tuple(layout.entries))
         if self._views_key != key:
+            if clear is not None:
+                clear(layout.total_bytes)
             write_frames(buf, layout)
             self._views_cache = [tensor_view(buf, e) for e in layout.entries]
             self._views_key = key

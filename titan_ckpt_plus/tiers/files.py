@@ -353,8 +353,8 @@ class DurableBatch:
 
 class Appender:
     """A file written in order, from pieces that arrive one by one: with O_DIRECT while
-    every piece is whole pages at a page-aligned address (a copy's bulk), buffered
-    after that (the last partial page, small records); its size and CRC-32C kept on
+    every piece starts on a page at a page-aligned address (a copy's bulk), buffered
+    from the first partial page on (the last one, small records); its size and CRC-32C kept on
     the way (`crc=False` for pieces whose checksum the caller already knows);
     fsync'd, its pages dropped from the cache and closed at the end of the `with`
     block. `reuse`: a spare to write over (_write_flags)."""
@@ -369,10 +369,16 @@ class Appender:
         self.size, self.crc = 0, 0
 
     def write(self, data, crc: bool = True) -> None:
+        """A piece's whole pages with O_DIRECT (while the file is), the rest buffered: a
+        piece that ends mid-page sends only that last page through the page cache."""
         view = memoryview(data).cast("B")
-        if self.direct and (len(view) % PAGE or self.size % PAGE or (address(view) or 1) % PAGE):
+        if self.direct and (self.size % PAGE or (address(view) or 1) % PAGE):
             self.direct = _buffered(self.fd)
-        write_all(self.fd, view)
+        head = len(view) // PAGE * PAGE if self.direct else len(view)
+        write_all(self.fd, view[:head])
+        if head < len(view):
+            self.direct = self.direct and _buffered(self.fd)
+            write_all(self.fd, view[head:])
         self.size += len(view)
         if crc:
             self.crc = checksum(view, self.crc)
