@@ -960,7 +960,7 @@ def plugin_memory(flavor: str, step_s: float, base: Path) -> dict:
     ranks = [json.loads(out.with_suffix(f".{r}").read_text()) for r in range(2)]
     extra = max(max(r["peaks"]) - r["before"] for r in ranks)
     nbytes = max(r["bytes"] for r in ranks)
-    buffer = staging.HUGE_PAGE * -(-nbytes // staging.HUGE_PAGE)
+    buffer = staging_buffer_bytes(nbytes)
     shutil.rmtree(base, ignore_errors=True)
     return {"extra": extra, "bytes": nbytes, "beside": extra - buffer}
 
@@ -980,6 +980,11 @@ MEMORY_SECTION = "## Overhead controls: the plugin's own host memory"
 HEAP_HELD_STILL = {"MALLOC_MMAP_THRESHOLD_": str(256 << 10)}
 
 
+def staging_buffer_bytes(nbytes: float) -> int:
+    """What a rank's staging buffer of `nbytes` holds: whole 2 MiB pages."""
+    return staging.HUGE_PAGE * -(-int(nbytes) // staging.HUGE_PAGE)
+
+
 def held_still_memory(flavor: str, base: Path) -> dict:
     """The job with checkpointing off, then with the tiers on, both with HEAP_HELD_STILL:
     the largest rank's peak RSS over the steps that saved or drained (peak_during), and
@@ -997,7 +1002,7 @@ def held_still_row(flavor: str, base: Path) -> tuple:
     """The issue's memory target, judged on held_still_memory's jobs."""
     m = held_still_memory(flavor, base)
     (off, on), (t_off, t_on), nbytes = m["busy"], m["typical"], m["bytes"]
-    buffer = staging.HUGE_PAGE * -(-int(nbytes) // staging.HUGE_PAGE)
+    buffer = staging_buffer_bytes(nbytes)
     return (f"{flavor}: extra peak RSS during saves and drains / state bytes, glibc's heap held still in both "
             f"jobs ({' '.join(f'{k}={v}' for k, v in HEAP_HELD_STILL.items())})",
             f"{(on - off) / nbytes:.2f}x, {(on - off - buffer) / 2**20:+.1f} MiB beside the staging buffer "
@@ -1214,7 +1219,7 @@ def main() -> None:
                                 f"<= floor {floor:.3f} + 0.03", infl[k] <= floor + 0.03))
         targets.append((f"{name}: drain time / (node bytes / PFS bw)", f"{drain_s / bound_s:.1f}x", "<= 1.5x",
                         drain_s / bound_s <= 1.5))
-        buffer = staging.HUGE_PAGE * -(-int(rank_bytes) // staging.HUGE_PAGE)
+        buffer = staging_buffer_bytes(rank_bytes)
         # reported: the target is judged with the heap held still (plugin_memory_rows)
         targets.append((f"{name}: extra peak RSS during saves and drains / state bytes, glibc's default heap",
                         f"{busy_extra / rank_bytes:.2f}x, {(busy_extra - buffer) / 2**20:+.0f} MiB beside the "

@@ -376,8 +376,8 @@ class Appender:
             self.direct = _buffered(self.fd)
         head = len(view) // PAGE * PAGE if self.direct else len(view)
         write_all(self.fd, view[:head])
-        if head < len(view):
-            self.direct = self.direct and _buffered(self.fd)
+        if head < len(view):  # only while direct: else head is the whole piece
+            self.direct = _buffered(self.fd)
             write_all(self.fd, view[head:])
         self.size += len(view)
         if crc:
