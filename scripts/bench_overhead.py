@@ -153,7 +153,8 @@ rows are the same loop beside the same save + drain with the background threads 
 priority, 10 below it, and in SCHED_IDLE, and beside that SCHED_IDLE save + drain run by a
 helper process (the control: what is left once the loop shares no GIL with it), each way
 LAUNCH_REPS times round-robin, the loop's mean time alone (for as long as the last save +
-drain took) against its mean during; the wait row counts the times the loop's thread slept
+drain took) against its mean during, after a first save + drain not timed (the layout's
+first, and a helper process's start-up); the wait row counts the times the loop's thread slept
 during a save + drain (a thread of tiny ops waits for nothing but the GIL) and its share of
 that time asleep, in one process and beside a helper process. Peak RSS during saves and drains is each rank's peak per step (reset at every step),
 over the steps the tiers-on job saved or drained in, against the same steps of the job with
@@ -672,7 +673,7 @@ def _loop_thread() -> tuple[int, float, float]:
 def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int = 5,
                  helper: bool = False, byte_helper: bool = False) -> dict:
     """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
-    run in this process (in a helper process with `helper`), their threads `nice`
+    (each after the first, which is not timed) run in this process (in a helper process with `helper`), their threads `nice`
     below the loop's (and in SCHED_IDLE with `idle`). Also how often the loop's thread
     went to sleep during them (each a wait for the GIL) and its share of time asleep,
     and its share of time off a CPU (asleep or waiting for a core) during them, less
@@ -696,8 +697,13 @@ def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int =
     # during moved the median by up to 40 points from run to run
     alone, during, sleeps, asleep = [], [], 0, 0.0
     off = {"alone": [0.0, 0.0], "during": [0.0, 0.0]}  # seconds off a CPU (asleep or waiting), of seconds
+    # a first save + drain untimed: the layout's first (DCP plans it; once a job, the jobs'
+    # table has its own column), and in a helper process the wait for its start-up, whose
+    # imports on the other core had slowed the first round's loop alone by 5-10%
+    saver.start(1)
+    saver.finish()
     last = 0.5
-    for step in range(1, rounds + 1):
+    for step in range(2, rounds + 2):
         (_, run0, _), t0 = _loop_thread(), time.perf_counter()
         while time.perf_counter() - t0 < last:
             alone.append(loop())

@@ -251,6 +251,20 @@ def write_all(fd: int, chunk: memoryview) -> None:
         chunk = chunk[os.write(fd, chunk):]
 
 
+def _write_pages(fd: int, view: memoryview, direct: bool) -> bool:
+    """Write `view` on at the file's end: its whole pages with O_DIRECT while `direct`,
+    a last partial page through the page cache (O_DIRECT off from then on: it takes
+    whole pages only), so a piece that ends mid-page sends only that page through the
+    cache. Returns the file's `direct` after it."""
+    head = len(view) // PAGE * PAGE if direct else len(view)
+    if head:
+        write_all(fd, view[:head])
+    if head < len(view):  # only while direct: else head is the whole piece
+        direct = _buffered(fd)
+        write_all(fd, view[head:])
+    return direct
+
+
 def _chunks(n: int, ready=None):
     """(start, end) pieces of a write: a small first one, so the disk starts while
     the staging copy fills the next; then CHUNK, few enough that the writer thread
@@ -325,9 +339,7 @@ class DurableBatch:
             chunk = view[start:end]
             if known_crc is None:
                 crc = checksum(chunk, crc)
-            if direct and len(chunk) % PAGE:  # O_DIRECT takes whole pages only
-                direct = _buffered(fd)
-            write_all(fd, chunk)
+            direct = _write_pages(fd, chunk, direct)
             if on_chunk:
                 on_chunk(end)
         _cut_to(fd, len(view), flags)
@@ -369,16 +381,12 @@ class Appender:
         self.size, self.crc = 0, 0
 
     def write(self, data, crc: bool = True) -> None:
-        """A piece's whole pages with O_DIRECT (while the file is), the rest buffered: a
-        piece that ends mid-page sends only that last page through the page cache."""
+        """A piece's whole pages with O_DIRECT while the file is (_write_pages), all of
+        it buffered once a piece starts off a page or at an unaligned address."""
         view = memoryview(data).cast("B")
         if self.direct and (self.size % PAGE or (address(view) or 1) % PAGE):
             self.direct = _buffered(self.fd)
-        head = len(view) // PAGE * PAGE if self.direct else len(view)
-        write_all(self.fd, view[:head])
-        if head < len(view):  # only while direct: else head is the whole piece
-            self.direct = _buffered(self.fd)
-            write_all(self.fd, view[head:])
+        self.direct = _write_pages(self.fd, view, self.direct)
         self.size += len(view)
         if crc:
             self.crc = checksum(view, self.crc)
