@@ -673,8 +673,9 @@ def _loop_thread() -> tuple[int, float, float]:
 def launch_bound(nbytes: int, folder: Path, nice: int, idle: bool, rounds: int = 5,
                  helper: bool = False, byte_helper: bool = False) -> dict:
     """A loop of tiny ops, timed alone and while a save + drain of `nbytes` of state
-    (each after the first, which is not timed) run in this process (in a helper process with `helper`), their threads `nice`
-    below the loop's (and in SCHED_IDLE with `idle`). Also how often the loop's thread
+    (each after the first, which is not timed) run in this process (in a helper
+    process with `helper`), their threads `nice` below the loop's (and in SCHED_IDLE
+    with `idle`). Also how often the loop's thread
     went to sleep during them (each a wait for the GIL) and its share of time asleep,
     and its share of time off a CPU (asleep or waiting for a core) during them, less
     alone: what the save + drain took from the loop's thread outright, apart from how

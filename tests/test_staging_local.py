@@ -42,13 +42,23 @@ def test_the_copy_clears_each_group_before_it_and_the_whole_buffer_before_new_fr
     group's end, and before it writes a layout's frames (the whole buffer), once."""
     state = dict(_state(), a=torch.randn(3 << 20), b=torch.randn(3 << 20))  # 12 MiB each: groups
     layout, tensors, _ = staging.plan_layout(state)
-    buf, asked = staging.HostBuffer(pin=False), []
-    buf.copy_in(layout, tensors, clear=asked.append)
+    buf, asked, seen = staging.HostBuffer(pin=False), [], []
+
+    def clear(upto):  # what the buffer holds when the copy asks
+        asked.append(upto)
+        seen.append(buf.data[: layout.total_bytes].clone())
+    buf.copy_in(layout, tensors, clear=clear)
     assert len(asked) >= 3 and asked[0] == layout.total_bytes and asked[-1] == layout.total_bytes
-    first = list(asked)
-    asked.clear()
-    buf.copy_in(layout, tensors, clear=asked.append)  # the same layout: no frames written again
+    assert not torch.equal(seen[0], seen[1])  # the frames were written after the first ask
+    first, before = list(asked), buf.data[: layout.total_bytes].clone()
+    asked.clear(), seen.clear()
+    for t in tensors:
+        t.logical_not_() if t.dtype == torch.bool else t.add_(1)
+    buf.copy_in(layout, tensors, clear=clear)  # the same layout: no frames written again
     assert asked == first[1:] and asked == sorted(asked)
+    for lo, upto, held in zip([0, *asked], asked, seen):  # each group's bytes unwritten when asked
+        assert torch.equal(held[lo:upto], before[lo:upto])
+    assert not torch.equal(buf.data[: layout.total_bytes], before)
 
 
 def test_roundtrip_is_bit_exact_and_layout_loads_without_classes():
