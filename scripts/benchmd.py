@@ -67,7 +67,27 @@ def targets_table(names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def replace_rows(path: Path, names: list[str]) -> None:
+    """The targets table's rows of `names` from their records, the rest of the section as it
+    stands: a script rerun alone (its own --update) brings its rows up to date without a
+    whole bench_all.sh run. A name with no record keeps its rows."""
+    fresh = {n: targets_table([n]).splitlines()[2:] for n in names if (TARGETS_DIR / f"{n}.json").exists()}
+    out, done = [], set()
+    for line in path.read_text().splitlines():
+        name = line[2:].split(" | ")[0] if line.startswith("| ") else None
+        if name in fresh:
+            if name not in done:
+                out += fresh[name]
+                done.add(name)
+            continue
+        out.append(line)
+    path.write_text("\n".join(out) + "\n")
+
+
 if __name__ == "__main__":
+    if sys.argv[2:3] == ["--rows"]:  # benchmd.py FILE --rows NAME...: only those rows
+        replace_rows(Path(sys.argv[1]), sys.argv[3:])
+        sys.exit()
     out, names = Path(sys.argv[1]), sys.argv[2:]
     body = ("Every target of the issues, from the run of `./scripts/bench_all.sh` that wrote the "
             "sections below (same machine, same run).\n\n" + targets_table(names))

@@ -51,9 +51,13 @@ def test_the_copy_clears_each_group_before_it_and_the_whole_buffer_before_new_fr
     assert len(asked) >= 3 and asked[0] == layout.total_bytes and asked[-1] == layout.total_bytes
     assert not torch.equal(seen[0], seen[1])  # the frames were written after the first ask
     first, before = list(asked), buf.data[: layout.total_bytes].clone()
-    asked.clear(), seen.clear()
-    for t in tensors:
-        t.logical_not_() if t.dtype == torch.bool else t.add_(1)
+    asked.clear()
+    seen.clear()
+    for t in tensors:  # the next save's values
+        if t.dtype == torch.bool:
+            t.logical_not_()
+        else:
+            t.add_(1)
     buf.copy_in(layout, tensors, clear=clear)  # the same layout: no frames written again
     assert asked == first[1:] and asked == sorted(asked)
     for lo, upto, held in zip([0, *asked], asked, seen):  # each group's bytes unwritten when asked
