@@ -8,7 +8,9 @@
    the host memory a receive holds, streamed against landing whole (the path before);
 2. restart to first step on two simulated nodes (2 torchrun agents x 2 ranks,
    debugmodel), recovering from own disk, from a neighbor, and from the PFS, with
-   the bytes read from each tier.
+   the bytes read from each tier; and with node 1 lost for good, restarted on node 0
+   alone (2 ranks): from its own parts and node 1's replicas, resharded (local_reshard),
+   against the PFS step (local_reshard = false).
 
     .venv/bin/python scripts/bench_replication.py [--update BENCHMARKS.md]
 """
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from benchmd import record_targets, update_section  # noqa: E402
-from harness import ckpt_events, events, free_port, torchrun_nodes  # noqa: E402
+from harness import ckpt_events, events, free_port, torchrun, torchrun_nodes  # noqa: E402
 from titan_ckpt_plus.cpu_fallback import fp32_args  # noqa: E402
 from titan_ckpt_plus.tiers.files import piece_size  # noqa: E402
 
@@ -118,6 +120,10 @@ def transport(nbytes: int, folder: Path) -> dict:
     return q.get()
 
 
+LOST = "node 0 alone, 2 ranks (node 1 lost), its parts and replicas resharded"
+LOST_PFS = "node 0 alone, 2 ranks (node 1 lost), local_reshard = false"
+
+
 def restarts(base: Path) -> list[dict]:
     common = ("--model.flavor=debugmodel", "--training.seq_len=64", "--checkpoint.replication_factor=1",
               *fp32_args())
@@ -128,14 +134,18 @@ def restarts(base: Path) -> list[dict]:
     # another job's (issue 12) unless the restart adopts its identity, as a user would.
     job_id = json.loads((killed / "dump" / "titan_ckpt_plus" / "job.json").read_text())["job_id"]
     rows = []
-    for name, wipe in (("own disk", []), ("neighbor", ["local/1"]), ("PFS", ["local"])):
-        work = base / name.replace(" ", "_")
+    one_node = ("--checkpoint.replication_factor=0",)  # node 1 lost for good: no neighbor left
+    for name, wipe, extra in (("own disk", [], None), ("neighbor", ["local/1"], None), ("PFS", ["local"], None),
+                              (LOST, ["local/1"], one_node),
+                              (LOST_PFS, ["local/1"], (*one_node, "--checkpoint.no-local-reshard"))):
+        work = base / name.split(",")[0].replace(" ", "_") / str(len(rows))
         shutil.copytree(killed, work)
         for w in wipe:
             shutil.rmtree(work / w)
         t0 = time.time()
-        procs = torchrun_nodes(work, *common, f"--checkpoint.adopt_job={job_id}", loss_log="run2.jsonl",
-                               timeout=900)
+        args = (*common, f"--checkpoint.adopt_job={job_id}")
+        procs = (torchrun_nodes(work, *args, loss_log="run2.jsonl", timeout=900) if extra is None
+                 else [torchrun(work, *args, *extra, loss_log="run2.jsonl", timeout=900)])
         assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:]
         rec = ckpt_events(work, "recovery")[-1]
         first = min(e["time"] for e in events(work / "run2.jsonl", "loss"))
@@ -168,13 +178,14 @@ def main() -> None:
         f"{piece_size(nbytes) >> 20} MiB), landing whole then written (the path before) "
         f"{t['held_whole'] / 2**20:.0f} MiB, for a part of {args.mib} MiB.", "",
         "Restart to first training step, 2 simulated nodes x 2 ranks, debugmodel, killed after "
-        "step 7 (local step 6 committed with replicas, PFS step 4):", "",
+        "step 7 (local step 6 committed with replicas, PFS step 4); the last two rows restart on node 0 "
+        "alone at 2 ranks, with node 1's folder gone (a DP change: 4 ranks' parts resharded to 2):", "",
         "| recovered from | tier | step | restart to first step | of which recovery | bytes local disk "
         "| bytes from peers | bytes PFS |", "|---|---|---|---|---|---|---|---|"]
     rows = [("replica transfer / raw gloo send/recv, same bytes", f"{t['raw'] / t['ours']:.2f} "
              f"({mbps(t['ours']):.0f} / {mbps(t['raw']):.0f} MiB/s)", ">= 0.70", t["raw"] / t["ours"] >= 0.7)]
     for r in restarts(base / "restarts"):
-        need_pfs = r["source"] == "PFS"
+        need_pfs = r["source"] in ("PFS", LOST_PFS)
         rows.append((f"restart to first step, from {r['source']}", f"{r['restart_to_first_step_s']:.1f} s "
                      f"(recovery {r['recovery_s']:.2f} s; PFS bytes {r['pfs']})",
                      "reported" if need_pfs else "0 bytes from the PFS",

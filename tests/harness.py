@@ -161,6 +161,14 @@ def job_dir(work: Path, node: str = "0") -> Path:
     return work / "local" / node / f"job-{job_id(work)}"
 
 
+def load_digests(work: Path, step: int) -> dict[int, dict]:
+    """rank -> the digest of its state right after loading `step`, from the runs in `work`
+    (torchrun arms the hook): two restarts at one world size that loaded the same state
+    have equal ones, whatever they loaded it from."""
+    return {r["rank"]: r["digest"] for r in digest.read(str(work / "digests"))
+            if r["when"] == "load" and r["step"] == step}
+
+
 def copy_run(src: Path, dst: Path) -> Path:
     """A copy of a run's folders that is still the same job, so tests can restart one
     killed run in several ways: a copied dump folder is a new job (identity.py), so the

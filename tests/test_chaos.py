@@ -1,8 +1,8 @@
 """The CI subset of the fault matrix (scripts/chaos.py): each scenario a test.
 
 The full matrix runs with `.venv/bin/python scripts/chaos.py`; here only the scenarios
-that no other e2e test covers (about 4 minutes on 2 cores), and the preemption with
-helper_process.
+that no other e2e test covers (about 4 minutes on 2 cores), the preemption with
+helper_process, and a DP change with local_reshard off.
 """
 
 import sys
@@ -39,3 +39,13 @@ def test_a_preemption_with_helper_process_still_saves(tmp_path):
     result = chaos.Matrix(tmp_path, keys=("--checkpoint.helper_process",)).run("sigterm")
     assert not result.failures, result.failures
     assert result.observed == result.expected
+
+
+def test_a_dp_change_without_local_reshard_resumes_from_the_pfs_every_sequence_once(tmp_path):
+    """The dp-1-to-2 scenario with `[checkpoint] local_reshard = false`: the 2-rank restart
+    loads the newest PFS step, resharded by DCP, and its data goes on from there, every
+    sequence consumed exactly once (the CI subset's dp-1-to-2 takes the local step)."""
+    result = chaos.Matrix(tmp_path, keys=("--checkpoint.no-local-reshard",)).run("dp-1-to-2")
+    assert not result.failures, result.failures
+    assert result.observed == result.expected and result.observed.startswith("pfs ")
+    assert result.bytes_read["pfs"] > 0 and result.bytes_read["local"] == 0

@@ -35,6 +35,8 @@ def test_keys_parse_from_toml_and_cli(tmp_path):
     assert _parse(tmp_path, "--checkpoint.no-pfs-reuse-files").checkpoint.pfs_reuse_files is False
     assert ck.helper_process is False
     assert _parse(tmp_path, "--checkpoint.helper_process").checkpoint.helper_process is True
+    assert ck.local_reshard is True
+    assert _parse(tmp_path, "--checkpoint.no-local-reshard").checkpoint.local_reshard is False
 
 
 def test_a_helper_process_where_there_is_no_memfd_is_refused_naming_the_key(tmp_path, monkeypatch):

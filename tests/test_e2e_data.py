@@ -50,10 +50,11 @@ def test_dp_2_then_1_then_3_consumes_every_sequence_exactly_once(corpus, tmp_pat
     ok(run(tmp_path, corpus, 2, "--training.steps", "4", samples="s1.jsonl"))
     p2 = ok(run(tmp_path, corpus, 1, "--training.steps", "8", samples="s2.jsonl"))
     assert "data resumes at global sequence 48 (step 4" in p2.stdout
-    assert "recovered step 4 from the pfs tier" in p2.stdout
+    assert "recovered step 4 from the local (resharded from world size 2) tier" in p2.stdout
     p3 = ok(run(tmp_path, corpus, 3, "--training.steps", "12", samples="s3.jsonl"))
     assert "data resumes at global sequence 96 (step 8" in p3.stdout
     assert "saved at DP 1, now DP 3 x local batch 2 x 2 microbatches" in p3.stdout
+    assert "recovered step 8 from the local (resharded from world size 1) tier" in p3.stdout
 
     runs = [records(tmp_path / f"s{i}.jsonl") for i in (1, 2, 3)]
     for recs, dp, steps in zip(runs, (2, 1, 3), ((1, 4), (5, 8), (9, 12))):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, ok, torchrun, torchrun_nodes
+from harness import ckpt_events, copy_run, flip_byte, job_dir, load_digests, losses, ok, torchrun, torchrun_nodes
 
 pytestmark = pytest.mark.e2e
 REPL = ("--checkpoint.replication_factor=1",)
@@ -104,3 +104,31 @@ def test_placement_refuses_a_copy_on_the_same_host(tmp_path):
     assert proc.returncode != 0
     assert "replication_factor = 1 needs 2 failure domains" in proc.stdout
     assert "step:  1" not in proc.stdout
+
+
+def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(killed, tmp_path):
+    """[checkpoint] local_reshard (the default): node 1 is gone and the job restarts on node 0 alone, 2
+    ranks instead of 4. Node 0 holds its own parts and its neighbor's replicas, so the
+    newest local step (6) is loaded resharded by DCP, with no PFS byte; the state loaded
+    that way from local step 4 is the PFS step 4's, resharded the same way."""
+    more = ("--checkpoint.exclude_from_loading", "dataloader")
+    work = copy_run(killed, tmp_path / "w")
+    shutil.rmtree(work / "local" / "1")
+    ok(torchrun(work, *more, loss_log="run2.jsonl"))
+    rec = _recovery(work)
+    assert (rec["tier"], rec["step"], rec["resharded_from"]) == ("local", 6, 4)
+    assert (rec["bytes_pfs"], rec["bytes_peer"]) == (0, 0) and rec["bytes_local"] > 0
+    assert sorted(losses(work, "run2.jsonl")) == list(range(7, STEPS + 1))
+    # retention removed the 4-rank steps whole, replicas and all, once 3 steps of 2 ranks were kept
+    assert sorted(p.name for p in job_dir(work).glob("step-*")) == ["step-10", "step-12", "step-8"]
+    older = copy_run(killed, tmp_path / "older")
+    shutil.rmtree(older / "local" / "1")
+    shutil.rmtree(job_dir(older) / "step-6")
+    ok(torchrun(older, *more, loss_log="run2.jsonl"))
+    assert (_recovery(older)["tier"], _recovery(older)["step"], _recovery(older)["bytes_pfs"]) == ("local", 4, 0)
+    pfs = copy_run(killed, tmp_path / "pfs")
+    shutil.rmtree(pfs / "local")
+    ok(torchrun(pfs, *more, loss_log="run2.jsonl"))
+    assert (_recovery(pfs)["tier"], _recovery(pfs)["step"]) == ("pfs", 4)
+    assert load_digests(older, 4) == load_digests(pfs, 4) and len(load_digests(pfs, 4)) == 2
+    assert losses(older, "run2.jsonl") == losses(pfs, "run2.jsonl")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, copy_run, flip_byte, job_dir, losses, ok, output, pfs_step, torchrun
+from harness import (ckpt_events, copy_run, flip_byte, job_dir, load_digests, losses, ok, output, pfs_step,
+                     torchrun)
 
 pytestmark = pytest.mark.e2e
 STEPS = 12
@@ -111,16 +112,38 @@ def test_flipped_bytes_fall_back_to_an_older_valid_step(reference, torn):
     _same_losses_from(torn, reference, 11, "run3.jsonl")
 
 
-def test_changed_dp_degree_skips_local_and_reshards_from_pfs(torn):
+def test_without_local_reshard_a_changed_dp_degree_skips_local_and_reshards_from_pfs(torn):
     # The previous run saved step 12 again; corrupt its PFS copy so the fallback to an
     # older PFS step is exercised too.
     flip_byte(pfs_step(torn, 12) / "__0_0.distcp")
-    proc = ok(torchrun(torn, "--checkpoint.exclude_from_loading", "dataloader", nproc=1,
-                        loss_log="run4.jsonl"))
+    proc = ok(torchrun(torn, "--checkpoint.exclude_from_loading", "dataloader", "--checkpoint.no-local-reshard",
+                        nproc=1, loss_log="run4.jsonl"))
     rec = _recovery(torn)
     assert (rec["tier"], rec["step"], rec["bytes_local"]) == ("pfs", 8, 0)
     assert rec["bytes_pfs"] > 0
     assert "Training starts at step 9" in proc.stdout
+
+
+def test_a_changed_dp_degree_loads_the_newest_local_step_resharded_reading_no_pfs_byte(reference, tmp_path):
+    """[checkpoint] local_reshard (the default): restarted on 1 rank, the job loads local
+    step 12 from both ranks' parts in its node folder, resharded by DCP, with no PFS step
+    there; its state and its next losses are those of the same step resharded from the PFS."""
+    more = ("--checkpoint.exclude_from_loading", "dataloader", "--training.steps", "14")
+    local = copy_run(reference, tmp_path / "local")
+    shutil.rmtree(local / "dump" / "checkpoint")
+    proc = ok(torchrun(local, *more, nproc=1, loss_log="run2.jsonl"))
+    rec = _recovery(local)
+    assert (rec["tier"], rec["step"], rec["resharded_from"], rec["bytes_pfs"]) == ("local", 12, 2, 0)
+    parts = sum(p.stat().st_size for p in (job_dir(local) / "step-12").glob("rank-*.*") if p.suffix != ".json")
+    assert rec["bytes_local"] > parts  # each part checked whole, then DCP's reads
+    assert "from the local (resharded from world size 2) tier" in proc.stdout
+    pfs = copy_run(reference, tmp_path / "pfs")
+    shutil.rmtree(pfs / "local")
+    ok(torchrun(pfs, *more, nproc=1, loss_log="run2.jsonl"))
+    assert (_recovery(pfs)["tier"], _recovery(pfs)["step"]) == ("pfs", 12)
+    assert load_digests(local, 12) == load_digests(pfs, 12) and len(load_digests(pfs, 12)) == 1
+    got = losses(local, "run2.jsonl")
+    assert sorted(got) == [13, 14] and got == losses(pfs, "run2.jsonl")
 
 
 def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_path):
@@ -136,9 +159,11 @@ def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_pat
     assert losses(tmp_path) == losses(reference)  # a failed save does not touch training
 
 
-def test_local_steps_of_another_layout_and_no_pfs_step_refuse_to_start_over(reference, tmp_path):
+def test_local_steps_of_another_layout_not_whole_here_and_no_pfs_step_refuse_to_start_over(reference, tmp_path):
     work = copy_run(reference, tmp_path / "copy")
     shutil.rmtree(work / "dump" / "checkpoint")  # nothing to reshard from
+    for part in job_dir(work).glob("step-*/rank-00001.*"):  # nor from local: rank 1's parts are gone
+        part.unlink()
     proc = torchrun(work, nproc=1, loss_log="run2.jsonl")
     assert proc.returncode != 0
     assert "refusing to load a corrupt one or to silently start over" in proc.stdout

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ckpt_plus import device_copy, faults, priority, recovery, staging
 from titan_ckpt_plus.drain import PfsDrain, StagedBytes
@@ -36,7 +37,7 @@ from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
 from titan_ckpt_plus.replication import Part, Wire, check_part
 from titan_ckpt_plus.telemetry import EventLog, PhaseClock
-from titan_ckpt_plus.tiers import files
+from titan_ckpt_plus.tiers import files, reshard
 from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.local import LocalTier
@@ -77,6 +78,7 @@ class TierSettings:
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
     background_idle: bool = False  # the copy, the drain's checksums, background gloo threads: SCHED_IDLE while on time
     helper_process: bool = False  # the local data file written by a helper process (tiers/byte_helper.py)
+    local_reshard: bool = True  # another layout's local step resharded from the node folder (tiers/reshard.py)
 
     @property
     def layout_tag(self) -> dict:
@@ -124,6 +126,7 @@ class Recovery:
     tier: str | None  # "local", "pfs" or None (nothing usable)
     step: int = -1
     state: Any = None  # local: the saved state, tensors as views of the read buffer
+    resharded_from: int = 0  # local, another layout's step (loaded in recover()): its world size
     bytes_read: dict = field(default_factory=lambda: {"local": 0, "peer": 0, "pfs": 0})
     bytes_total: dict = field(default_factory=dict)  # summed over ranks
     skipped: list = field(default_factory=list)  # (tier, step, reason)
@@ -151,6 +154,7 @@ class TieredCheckpointer:
         self._buffer_free = threading.Event()
         self._buffer_free.set()
         self._loans: list[StagedBytes] = []  # staged bytes lent to drains, taken back by the next save
+        self._chunks: tuple = ("", None)  # (layout fingerprint, its staging.chunk_table)
         self._pending_copy: device_copy.Copy | None = None
         self._pending = False
         self._pending_delta = 0.0
@@ -420,7 +424,11 @@ class TieredCheckpointer:
             clear = self._take_back_loans()
             self.buffer.copy_in(job.layout, tensors, job.progress, copy, clear)
             # The writer needs these only after the data: made here, they overlap the disk.
-            job.layout_bytes, job.fingerprint = job.layout.to_bytes(), job.layout.fingerprint()
+            job.fingerprint = job.layout.fingerprint()
+            if self._chunks[0] != job.fingerprint:  # a job's specs change only with its layout
+                self._chunks = (job.fingerprint, staging.chunk_table(job.layout, job.specs))
+            job.layout.chunks = self._chunks[1]
+            job.layout_bytes = job.layout.to_bytes()
             job.ok = True
         except Exception as e:
             job.progress.fail()
@@ -556,34 +564,47 @@ class TieredCheckpointer:
         if self._ended:
             self.pfs.release_spares()
 
-    def recover(self) -> Recovery:
+    def recover(self, load_resharded: Callable[[Any], int] | None = None) -> Recovery:
         """Collective: agree on the newest checkpoint every rank can load, fetch
         missing local parts from the nodes holding replicas, verify, and return it
-        (a local state already read and checked, or a PFS step to dcp.load)."""
+        (a local state already read and checked, or a PFS step to dcp.load). A local
+        step of another layout (local_reshard) is loaded here, by `load_resharded(reader)`
+        (dcp.load into the job's state; returns bytes read): if DCP cannot read it (it
+        raises on every rank alike), the next candidate is tried and loads over it. An
+        error of the job's own state (a dataloader refusing another DP degree) is raised:
+        the PFS step would meet it too."""
         rec = Recovery(None)
         reports: list = [None] * self.s.world_size
         tags = self.s.layout_tags
         held = self.local.held_parts(tags)
-        dist.all_gather_object(reports, (held, self.local.other_layout_steps(held)), group=self.commit_pg)
-        other = {s: why for _, o in reports for s, why in o.items()}
-        reports = [held for held, _ in reports]
-        for step in sorted(s for s in other if not any(s in r for r in reports)):
+        other = self.local.other_layout_steps(held)
+        whole = self.local.reshardable(other) if self.s.local_reshard and load_resharded else {}
+        dist.all_gather_object(reports, (held, other, whole), group=self.commit_pg)
+        reshardable = recovery.reshardable_everywhere([w for _, _, w in reports])
+        other = {s: why for _, o, _ in reports for s, why in o.items()}
+        reports = [held for held, _, _ in reports]
+        for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
             rec.skipped.append(("local", step, other[step]))
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
-        for tier, step in recovery.ordered_candidates(reports, self.pfs.steps()):
+        for tier, step in recovery.ordered_candidates(reports, self.pfs.steps(), reshardable):
             if tier == "local":
                 state, why = self._fetch_local(step, recovery.pull_plan(reports, step), rec)
                 why = agree(why, self.commit_pg)
                 if not why:
                     rec.tier, rec.step, rec.state = tier, step, state
                     break
+            elif tier == "reshard":
+                why = self._load_resharded(step, reshardable[step], load_resharded, rec)
+                if not why:
+                    rec.tier, rec.step, rec.resharded_from = "local", step, reshardable[step]
+                    break
             else:
                 ok, why = self.pfs.verify(step, self.commit_pg)
                 if ok:
                     rec.tier, rec.step = tier, step
                     break
-            rec.skipped.append((tier, step, why))
+            rec.skipped.append(("pfs" if tier == "pfs" else "local", step, why))
         totals = torch.tensor([rec.bytes_read[k] for k in ("local", "peer")], dtype=torch.int64)
         dist.all_reduce(totals, group=self.commit_pg)
         rec.bytes_total = {"local": int(totals[0]), "peer": int(totals[1])}
@@ -621,6 +642,27 @@ class TieredCheckpointer:
             return staging.rebuild(layout, buf), ""
         except Exception as e:
             return None, str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
+
+    def _load_resharded(self, step: int, world_size: int, load, rec: Recovery) -> str:
+        """Collective: `step`'s parts in this node folder checked, then loaded by
+        `load(reader)`; "" once done on every rank, else why not."""
+        reader = None
+        try:
+            # the node's ranks check its parts' data once between them
+            node = self.s.node_ranks if self.s.rank in self.s.node_ranks else [self.s.rank]
+            reader, nbytes = reshard.open_step(self.local, step, world_size, (node.index(self.s.rank), len(node)))
+            rec.bytes_read["local"] += nbytes
+            why = ""
+        except Exception as e:
+            why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
+        why = agree(why, self.commit_pg)
+        if not why:
+            try:
+                rec.bytes_read["local"] += load(reader)
+            except CheckpointException as e:  # DCP could not read it: on every rank alike
+                why = f"loading it resharded failed: {e}"
+            why = agree(why, self.commit_pg)
+        return f"{why} (resharding from world size {world_size})" if why else ""
 
     # ---- background side ------------------------------------------------------
 

@@ -135,6 +135,14 @@ class Checkpoint:
     go on in the training process. The drain, the vote and replication stay in the
     training process for now (docs/helper_process.md)."""
 
+    local_reshard: bool = True
+    """A job restarted at another world size (a node lost for good) loads the newest
+    local step whose parts (own and replicas) are all in each rank's node folder,
+    resharded by DCP from the parts as they are, instead of a PFS step: no PFS bytes
+    (tiers/reshard.py). If DCP cannot read it, the next candidate is loaded; a step
+    whose parts lack the shard offsets (written before they were recorded) reshards
+    only from the PFS. false: such restarts load the PFS, as stock torchtitan would."""
+
     dataloader_resume: str = "global_samples"
     """How the data position is saved: "global_samples" (one global sequence count,
     the same on every rank: resumable at any DP degree) or "per_rank" (torchtitan's

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from titan_ckpt_plus.device_copy import Copy
 from titan_ckpt_plus.tiers.files import FIRST_CHUNK, PAGE, checksum
@@ -67,6 +68,9 @@ class StateLayout:
     skeleton: Any  # the state with each tensor replaced by {"__tensor__": index}
     entries: list[TensorEntry]
     total_bytes: int
+    # entry index -> (global shape, global offset) of each DTensor's shard (chunk_table);
+    # None: not recorded (a part written before they were), so it reshards only from the PFS
+    chunks: dict | None = None
     _fingerprint: str | None = field(default=None, repr=False, compare=False)
     _structure: str | None = field(default=None, repr=False, compare=False)
 
@@ -98,7 +102,7 @@ class StateLayout:
     def to_bytes(self) -> bytes:
         entries = [(e.path, e.dtype, e.shape, e.offset, e.nbytes, e.pre, e.post) for e in self.entries]
         return pickle.dumps(
-            {"skeleton": self.skeleton, "entries": entries, "total": self.total_bytes},
+            {"skeleton": self.skeleton, "entries": entries, "total": self.total_bytes, "chunks": self.chunks},
             protocol=4,
         )
 
@@ -108,7 +112,7 @@ class StateLayout:
         class, so a bad file cannot run code."""
         d = _PlainUnpickler(io.BytesIO(data)).load()
         entries = [TensorEntry(p, dt, tuple(s), *rest) for p, dt, s, *rest in d["entries"]]
-        return StateLayout(d["skeleton"], entries, d["total"])
+        return StateLayout(d["skeleton"], entries, d["total"], d.get("chunks"))
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -224,6 +228,24 @@ def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
 
     skeleton = walk(state, "")
     return StateLayout(skeleton, entries, offset), tensors, specs
+
+
+def chunk_table(layout: StateLayout, specs: dict) -> dict | None:
+    """Entry index -> (global shape, global offset) of each DTensor's shard, as DCP
+    records its chunk: with them a local part can be loaded under another parallel
+    layout (tiers/reshard.py). Once per layout, off the training thread (the copy's);
+    None where a shard's placement is one DCP's own rule does not describe."""
+    out = {}
+    for i, spec in specs.items():
+        try:
+            shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+        except Exception as e:  # only the reshard from local is lost
+            log.debug(f"[titan_ckpt_plus] no chunk for {layout.entries[i].path}: {e!r}")
+            return None
+        if tuple(shape) != layout.entries[i].shape:
+            return None
+        out[i] = (tuple(spec.shape), tuple(offset))
+    return out
 
 
 def tensor_view(buffer: torch.Tensor, e: TensorEntry) -> torch.Tensor:

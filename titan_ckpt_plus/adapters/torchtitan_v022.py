@@ -88,6 +88,7 @@ class TieredCheckpointManager(_StockManager):
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
             background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
             helper_process=getattr(checkpoint_config, "helper_process", False),
+            local_reshard=getattr(checkpoint_config, "local_reshard", True),
         )
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
         self.events = EventLog(events_path if rank == 0 else None)
@@ -455,7 +456,7 @@ class TieredCheckpointManager(_StockManager):
         if self.tiered is None or step != -1:
             return super().load(step)
         t0 = time.monotonic()
-        rec = self.tiered.recover()
+        rec = self.tiered.recover(lambda reader: reader.load(self._states_to_load(model_only=False)))
         for tier, s, why in rec.skipped:
             logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
         if rec.tier is None:
@@ -469,11 +470,11 @@ class TieredCheckpointManager(_StockManager):
                     "they were saved with, or move "
                     f"{self.folder} and the local folders aside to start from scratch.")
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
-        if rec.tier == "local":
-            self._load_local(rec.state)
-        else:
+        if rec.tier == "pfs":
             states = self._states_to_load(model_only=rec.step == 0)
             rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, states)
+        elif not rec.resharded_from:  # a local step of another layout: loaded by recover()
+            self._load_local(rec.state)
         pfs_total = torch.tensor([rec.bytes_read["pfs"]], dtype=torch.int64)
         dist.all_reduce(pfs_total, group=self.tiered.commit_pg)
         total = dict(rec.bytes_total, pfs=int(pfs_total.item()))
@@ -481,6 +482,8 @@ class TieredCheckpointManager(_StockManager):
         source = "local" if rec.tier == "local" and not total["peer"] else rec.tier
         if rec.tier == "local" and total["peer"]:
             source = "local+peer"
+        if rec.resharded_from:
+            source = f"local (resharded from world size {rec.resharded_from})"
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
@@ -493,6 +496,7 @@ class TieredCheckpointManager(_StockManager):
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
                            job_id=self.job.job_id,
                            bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
+                           resharded_from=rec.resharded_from,
                            skipped=[list(x) for x in rec.skipped])
         return True
 

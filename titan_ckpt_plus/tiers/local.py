@@ -42,13 +42,17 @@ JOB_RECORD = "JOB.json"
 LOCK = ".lock"
 
 
+def part_of(m: dict | None, rank: int, step: int, job_id: str, world_size: int) -> bool:
+    """Whether a part's manifest is `rank`'s part of `step` of this job at `world_size`."""
+    return (isinstance(m, dict) and m.get("job_id") == job_id and m.get("rank") == rank
+            and m.get("step") == step and m.get("world_size") == world_size)
+
+
 def part_matches(m: dict | None, rank: int, step: int, job_id: str, world_size: int,
                  layout_tag: dict) -> bool:
     """Whether a part's manifest is `rank`'s part of `step` of this job, in the
     layout that rank has now."""
-    return (isinstance(m, dict) and m.get("job_id") == job_id and m.get("rank") == rank
-            and m.get("step") == step and m.get("world_size") == world_size
-            and m.get("layout_tag") == layout_tag)
+    return part_of(m, rank, step, job_id, world_size) and m.get("layout_tag") == layout_tag
 
 
 def job_dir(local_folder: str, job_id: str) -> str:
@@ -469,6 +473,36 @@ class LocalTier:
                       else "saved with another parallel layout") + " (only a PFS step reshards)"
         return out
 
+    def reshardable(self, steps) -> dict[int, int]:
+        """Of `steps` (other_layout_steps: this job's, saved under another layout),
+        those whose every part this folder holds (its node's and replicas) -> the world
+        size they were saved at: DCP can reshard them from here (tiers/reshard.py).
+        Checksums are checked when one is chosen."""
+        out = {}
+        for s in steps:
+            was = self._commit_record(s).get("world_size")
+            if isinstance(was, int) and was > 0 and all(
+                    part_of(self.manifest(s, r), r, s, self.job_id, was) for r in range(was)):
+                out[s] = was
+        return out
+
+    def checked_part_files(self, step: int, rank: int, data: bool = True) -> tuple[bytes, int]:
+        """(layout bytes, data bytes read) of a part, its layout checked against its
+        manifest, and its data file too with `data` (read once, in chunks, not kept)."""
+        m = self._present_manifest(step, rank)
+        path = self._part(step, "layout", rank)
+        with open(path, "rb") as f:
+            layout = f.read()
+        files.check_bytes(path, layout, m["files"]["layout"])
+        if not data:
+            return layout, 0
+        files.check_file(self._part(step, "data", rank), m["files"]["data"])
+        return layout, m["files"]["data"]["size"]
+
+    def part_name(self, rank: int) -> str:
+        """A part's data file, relative to its step folder."""
+        return os.path.basename(self._part(0, "data", rank))
+
     def _commit_record(self, step: int) -> dict:
         try:
             rec = files.read_json(os.path.join(self.step_dir(step), COMMIT))
@@ -516,6 +550,12 @@ class LocalTier:
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)
         gone = contextlib.suppress(FileNotFoundError)  # a file another rank or a torn write left out
+        was = self._commit_record(s).get("world_size") if self.first_on_node else None
+        if was is not None and was != self.world_size:
+            # a step of the job before a DP change: no rank of this one holds its parts
+            # and replicas by their old ranks, so the node's first rank removes it whole
+            shutil.rmtree(d, ignore_errors=True)
+            return
         if self.first_on_node:
             with gone:
                 os.remove(os.path.join(d, COMMIT))

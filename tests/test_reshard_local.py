@@ -1,0 +1,216 @@
+"""A local step of another parallel layout loaded through DCP (tiers/reshard.py): two
+gloo ranks save FSDP-style shards into one node folder, a process of another world
+size loads them resharded, with no PFS step."""
+
+import multiprocessing as mp
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from titan_ckpt_plus import recovery, staging
+from titan_ckpt_plus.tiers import files, reshard
+from titan_ckpt_plus.tiers.local import COMMIT, LocalTier
+
+STEP = 6
+
+
+def _full(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(6, 4, generator=g), "u": torch.randn(5, 3, generator=g),  # 5 rows: uneven
+            "bias": torch.randn(4, generator=g).to(torch.bfloat16), "exp_avg": torch.randn(6, 4, generator=g)}
+
+
+def _state(mesh, rank: int) -> dict:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    f = _full()
+    return {"model": {"w": distribute_tensor(f["w"], mesh, [Shard(0)]),
+                      "u": distribute_tensor(f["u"], mesh, [Shard(0)]), "bias": f["bias"]},
+            "optimizer": {"state": {"w": {"exp_avg": distribute_tensor(f["exp_avg"], mesh, [Shard(0)]),
+                                          "step": torch.tensor(7.0)}},
+                          "param_groups": [{"lr": 1e-3, "params": ["w"]}]},
+            "train_state": {"step": STEP, "ntokens_seen": 4096},
+            "dataloader": {f"dp_rank_{rank}": pickle.dumps({"rank": rank}), "world_size": 2}}
+
+
+def _save_rank(rank: int, store: str, root: str, dcp_dir: str) -> None:
+    """One old rank: its part of STEP in the shared node folder (chunks recorded as the
+    copy thread records them), and DCP's own save of the same state beside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        state = _state(init_device_mesh("cpu", (2,)), rank)
+        layout, tensors, specs = staging.plan_layout(state)
+        layout.chunks = staging.chunk_table(layout, specs)
+        buf = staging.HostBuffer(pin=False)
+        buf.copy_in(layout, tensors)
+        local = LocalTier(root, rank, 2, rank == 0, 3, job_id="J")
+        local.write_part(STEP, buf.data[: layout.total_bytes].numpy(),
+                         lambda: (layout.to_bytes(), {"layout_tag": {}}))
+        dcp.save(state, checkpoint_id=dcp_dir)
+        dist.barrier()
+        if rank == 0:
+            local.commit(STEP, {"world_size": 2})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_rank_step(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reshard")
+    root, dcp_dir = str(tmp / "local" / "job-J"), str(tmp / "dcp")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_save_rank, args=(r, str(tmp / "store"), root, dcp_dir), daemon=True)
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    return root, dcp_dir
+
+
+def _target(dp_rank: int = 0) -> dict:
+    z = {k: torch.zeros_like(v) for k, v in _full().items()}
+    return {"model": {"w": z["w"], "u": z["u"], "bias": z["bias"]},
+            "optimizer": {"state": {"w": {"exp_avg": z["exp_avg"], "step": torch.tensor(0.0)}},
+                          "param_groups": [{"lr": 0.0, "params": ["w"]}]},
+            "train_state": {"step": 0, "ntokens_seen": 0},
+            "dataloader": {f"dp_rank_{dp_rank}": b"", "world_size": 0}}
+
+
+def test_the_parts_metadata_is_dcps_own_for_the_same_state(two_rank_step):
+    root, dcp_dir = two_rank_step
+    reader, _ = reshard.open_step(LocalTier(root, 0, 1, True, 3, job_id="J"), STEP, 2)
+    ours, theirs = reader.metadata, FileSystemReader(dcp_dir).read_metadata()
+    assert set(ours.state_dict_metadata) == set(theirs.state_dict_metadata)
+    for fqn, md in theirs.state_dict_metadata.items():
+        mine = ours.state_dict_metadata[fqn]
+        assert type(mine) is type(md), fqn
+        if isinstance(md, TensorStorageMetadata):
+            assert (mine.size, mine.properties.dtype) == (md.size, md.properties.dtype), fqn
+            assert sorted((c.offsets, c.sizes) for c in mine.chunks) == sorted(
+                (c.offsets, c.sizes) for c in md.chunks), fqn
+
+
+def test_a_world_size_1_job_loads_the_two_ranks_step_resharded(two_rank_step):
+    root, _ = two_rank_step
+    local = LocalTier(root, 0, 1, True, 3, job_id="J")
+    other = local.other_layout_steps(local.held_parts([{"world_size": 1}]))
+    assert local.reshardable(other) == {STEP: 2}
+    reader, checked = reshard.open_step(local, STEP, 2)
+    sizes = [os.path.getsize(os.path.join(root, f"step-{STEP}", f"rank-0000{r}.{x}"))
+             for r in (0, 1) for x in ("data", "layout")]
+    assert checked == sum(sizes)  # every part read once to check it
+    state = _target()
+    nbytes = reader.load(state)
+    f = _full()
+    for got, want in ((state["model"]["w"], f["w"]), (state["model"]["u"], f["u"]),
+                      (state["model"]["bias"], f["bias"]),
+                      (state["optimizer"]["state"]["w"]["exp_avg"], f["exp_avg"])):
+        assert torch.equal(got, want) and got.dtype == want.dtype
+    assert state["optimizer"]["state"]["w"]["step"].item() == 7.0
+    assert state["optimizer"]["param_groups"][0]["lr"] == 1e-3
+    assert state["train_state"] == {"step": STEP, "ntokens_seen": 4096}
+    assert pickle.loads(state["dataloader"]["dp_rank_0"]) == {"rank": 0}
+    assert 0 < nbytes < sum(sizes)
+
+
+def test_a_part_that_fails_its_checksum_or_lacks_its_offsets_is_never_loaded(two_rank_step, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "job-J")
+    shutil.copytree(two_rank_step[0], root)
+    local = LocalTier(root, 0, 1, True, 3, job_id="J")
+    data = os.path.join(root, f"step-{STEP}", "rank-00001.data")
+    with open(data, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(files.CorruptCheckpoint, match="rank-00001.data"):
+        reshard.open_step(local, STEP, 2)
+    # two ranks sharing the node folder check its data files once between them
+    with pytest.raises(files.CorruptCheckpoint, match="rank-00001.data"):
+        reshard.open_step(local, STEP, 2, share=(1, 2))
+    _, nbytes = reshard.open_step(local, STEP, 2, share=(0, 2))  # rank 0's data only: not this flip
+    layouts = sum(os.path.getsize(os.path.join(root, f"step-{STEP}", f"rank-0000{r}.layout")) for r in (0, 1))
+    assert nbytes == layouts + os.path.getsize(os.path.join(root, f"step-{STEP}", "rank-00000.data"))
+    layout = staging.StateLayout.from_bytes(local.checked_part_files(STEP, 0)[0])
+    layout.chunks = None  # a part written before the offsets were recorded
+    with pytest.raises(files.CorruptCheckpoint, match="no shard offsets"):
+        reshard.step_metadata({0: layout}, local.part_name)
+
+
+def test_a_step_is_a_reshard_candidate_only_where_every_node_holds_it_whole():
+    assert recovery.reshardable_everywhere([{6: 2, 4: 2}, {6: 2}, {6: 2, 4: 2}]) == {6: 2}
+    assert recovery.reshardable_everywhere([{6: 2}, {6: 4}]) == {}
+    # newest first; at one step a local part of this layout, then a reshard, then the PFS
+    assert recovery.ordered_candidates([{4: [0]}], [6, 4], {6: 2, 4: 2}) == [
+        ("reshard", 6), ("pfs", 6), ("local", 4), ("reshard", 4), ("pfs", 4)]
+
+
+def test_a_missing_part_or_another_jobs_leaves_a_step_out(two_rank_step, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "job-J")
+    shutil.copytree(two_rank_step[0], root)
+    local = LocalTier(root, 0, 1, True, 3, job_id="J")
+    assert local.reshardable([STEP]) == {STEP: 2}
+    assert LocalTier(root, 0, 1, True, 3, job_id="K").reshardable([STEP]) == {}
+    os.remove(os.path.join(root, f"step-{STEP}", "rank-00001.json"))
+    assert local.reshardable([STEP]) == {}
+    assert os.path.isfile(os.path.join(root, f"step-{STEP}", COMMIT))
+
+
+@pytest.fixture
+def one_rank_pg():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_recovery_loads_it_and_skips_it_where_dcp_cannot_read_it(two_rank_step, one_rank_pg, tmp_path):
+    """The engine's recover() at world size 1 over the two ranks' step: loaded by the
+    caller's dcp.load; a DCP failure skips the step, logged, instead of ending the job;
+    any other error of the job's own state is raised as it is."""
+    import shutil
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+    from titan_ckpt_plus.telemetry import EventLog
+
+    root = str(tmp_path / "job-J")
+    shutil.copytree(two_rank_step[0], root)
+    s = TierSettings(local_root=root, pfs_folder=str(tmp_path / "pfs"), local_interval=1, pfs_interval=1,
+                     local_keep=3, pfs_keep=2, rank=0, world_size=1, first_on_node=True, job_id="J")
+    ckpt = TieredCheckpointer(s, lambda: {}, EventLog(None))
+    try:
+        state = _target()
+        rec = ckpt.recover(lambda reader: reader.load(state))
+        assert (rec.tier, rec.step, rec.resharded_from, rec.skipped) == ("local", STEP, 2, [])
+        assert torch.equal(state["model"]["u"], _full()["u"]) and rec.bytes_total["local"] > 0
+
+        def unreadable(reader):
+            raise CheckpointException("read", {0: (OSError("short read"), None)})
+        rec = ckpt.recover(unreadable)
+        assert rec.tier is None and [(t, st) for t, st, _ in rec.skipped] == [("local", STEP)]
+        assert "loading it resharded failed" in rec.skipped[0][2] and "world size 2" in rec.skipped[0][2]
+
+        def refused(reader):
+            raise ValueError("the dataloader refuses DP 2")
+        with pytest.raises(ValueError, match="refuses"):
+            ckpt.recover(refused)
+        ckpt.s.local_reshard = False  # [checkpoint] local_reshard = false: reported, never tried
+        rec = ckpt.recover(unreadable)
+        assert rec.tier is None and "only a PFS step reshards" in rec.skipped[0][2]
+    finally:
+        ckpt.close()

@@ -1,0 +1,113 @@
+"""A local step saved under another parallel layout, loaded through DCP.
+
+A job restarted at another world size (a node lost for good) cannot copy a local part
+into its state byte for byte: its shards are cut differently. But each part is a DCP
+per-rank data file as it stands (staging.py), so DCP can reshard from the parts as it
+does from a PFS step, given the step's Metadata: each tensor's global shape, every old
+rank's chunk of it, and where that chunk's torch.save frame sits in the old rank's part.
+`step_metadata` makes it from the parts' layout files, which record each DTensor
+shard's global shape and offset (staging.chunk_table), so no PFS byte is read.
+`LocalPartsReader` serves DCP's reads from the node folder, and the small items
+(train_state, the dataloader's, the lr scheduler's) from the layouts' skeletons,
+serialized as the drain serializes them for the PFS.
+"""
+
+import dataclasses
+import io
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType
+
+from titan_ckpt_plus import staging
+from titan_ckpt_plus.tiers.files import CorruptCheckpoint
+from titan_ckpt_plus.tiers.pfs import SmallItems
+
+
+def step_metadata(layouts: dict, part_name) -> tuple[Metadata, dict[str, bytes]]:
+    """(DCP's Metadata for a step's parts, the small items' bytes by item name).
+    `layouts`: old rank -> its part's StateLayout; `part_name(rank)`: its data file,
+    relative to the step folder. A chunk held by several parts (a replicated tensor)
+    is read from the lowest rank's, as are small items every rank has."""
+    tensors: dict[str, TensorStorageMetadata] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    values: dict = {}
+    for rank in sorted(layouts):
+        layout = layouts[rank]
+        if layout.chunks is None:
+            raise CorruptCheckpoint(f"rank {rank}'s part records no shard offsets (written by an "
+                                    "older version, or a placement DCP cannot describe)")
+        flat, paths = flatten_state_dict(staging.rebuild(layout, None))
+        index = {e.path: i for i, e in enumerate(layout.entries)}
+        for fqn, value in flat.items():
+            if not isinstance(value, torch.Tensor):
+                values.setdefault(fqn, value)
+                continue
+            i = index["/" + "/".join(map(str, paths[fqn]))]
+            e = layout.entries[i]
+            if not e.pre:
+                raise CorruptCheckpoint(f"rank {rank}'s part is not in DCP's file form ({fqn} has no frame)")
+            size, offset = layout.chunks.get(i, (e.shape, (0,) * len(e.shape)))
+            md = tensors.setdefault(fqn, TensorStorageMetadata(
+                TensorProperties(dtype=getattr(torch, e.dtype)), torch.Size(size), []))
+            if tuple(md.size) != tuple(size) or md.properties.dtype != getattr(torch, e.dtype):
+                raise CorruptCheckpoint(f"{fqn}: rank {rank}'s part disagrees on its global shape or dtype")
+            key = MetadataIndex(fqn, torch.Size(offset))
+            if key not in storage:
+                md.chunks.append(ChunkStorageMetadata(torch.Size(offset), torch.Size(e.shape)))
+                start, end = e.frame
+                storage[key] = _StorageInfo(part_name(rank), start, end - start)
+    small = SmallItems()
+    blobs = {fqn: small.serialize(v) for fqn, v in values.items() if fqn not in tensors}
+    state = dict(tensors, **{fqn: BytesStorageMetadata() for fqn in blobs})
+    return Metadata(state, storage_data=storage), blobs
+
+
+class LocalPartsReader(FileSystemReader):
+    """DCP's reader over a local step folder of another layout (step_metadata): the
+    tensor items from the parts' frames, the small items from memory. Counts the bytes
+    it reads."""
+
+    def __init__(self, step_dir: str, metadata: Metadata, blobs: dict[str, bytes]) -> None:
+        super().__init__(step_dir)
+        self.metadata, self.blobs = metadata, blobs
+        self.bytes_read = 0
+
+    def load(self, state: dict) -> int:
+        """dcp.load into `state` in place, resharded to its layout; returns bytes read."""
+        dcp.load(state, storage_reader=self)
+        return self.bytes_read
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return self.metadata
+
+    def read_data(self, plan, planner):
+        tensors = []
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(self.blobs[item.storage_index.fqn]))
+            else:
+                tensors.append(item)
+                self.bytes_read += self.storage_data[item.storage_index].length
+        return super().read_data(dataclasses.replace(plan, items=tensors), planner)
+
+
+def open_step(local, step: int, world_size: int, share: tuple[int, int] = (0, 1)) -> tuple[LocalPartsReader, int]:
+    """DCP's reader over `step` of `local` (a LocalTier), saved by `world_size` ranks,
+    once every part's layout, and its share of their data files, pass their checksums;
+    and the bytes read to check them. `share` (i, n): the ranks sharing a node folder
+    check its data files once between them, this rank those of old ranks r % n == i
+    (the caller agrees on the outcome). Raises CorruptCheckpoint (or OSError) naming
+    the file that failed."""
+    layouts, nbytes = {}, 0
+    for rank in range(world_size):
+        raw, size = local.checked_part_files(step, rank, data=rank % share[1] == share[0])
+        layouts[rank] = staging.StateLayout.from_bytes(raw)
+        nbytes += len(raw) + size
+    metadata, blobs = step_metadata(layouts, local.part_name)
+    return LocalPartsReader(local.step_dir(step), metadata, blobs), nbytes
