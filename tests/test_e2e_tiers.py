@@ -146,6 +146,26 @@ def test_a_changed_dp_degree_loads_the_newest_local_step_resharded_reading_no_pf
     assert sorted(got) == [13, 14] and got == losses(pfs, "run2.jsonl")
 
 
+def test_a_tp_restart_of_the_fsdp_job_loads_its_newest_local_step_resharded(reference, tmp_path):
+    """The same 2 ranks, FSDP then tensor parallel: local step 12 is another parallel
+    layout at the same world size, resharded from the node folder; the losses after it
+    equal those after PFS step 12 loaded under TP. (No digests: the hook compares a load
+    with the save of the same rank and world size, here another layout's shard.)"""
+    tp = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+          "--checkpoint.exclude_from_loading", "dataloader", "--training.steps", "14")
+    local = copy_run(reference, tmp_path / "local")
+    shutil.rmtree(local / "dump" / "checkpoint")
+    ok(torchrun(local, *tp, loss_log="run2.jsonl", digests=False))
+    rec = _recovery(local)
+    assert (rec["tier"], rec["step"], rec["resharded_from"], rec["bytes_pfs"]) == ("local", 12, 2, 0)
+    pfs = copy_run(reference, tmp_path / "pfs")
+    shutil.rmtree(pfs / "local")
+    ok(torchrun(pfs, *tp, loss_log="run2.jsonl", digests=False))
+    assert (_recovery(pfs)["tier"], _recovery(pfs)["step"]) == ("pfs", 12)
+    got = losses(local, "run2.jsonl")
+    assert sorted(got) == [13, 14] and got == losses(pfs, "run2.jsonl")
+
+
 def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_path):
     proc = ok(torchrun(tmp_path, fault="enospc_local_write@4:1,eio_pfs_write@8:0"))
     failed = {(e["tier"], e["step"]) for e in ckpt_events(tmp_path, "save_failed")}

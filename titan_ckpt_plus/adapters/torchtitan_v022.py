@@ -465,7 +465,8 @@ class TieredCheckpointManager(_StockManager):
                 raise RuntimeError(
                     "[titan_ckpt_plus] this job has checkpoints but none can be loaded here "
                     "(see the warnings above: a failed check, or local steps of another "
-                    "parallel layout with no PFS step to reshard from); refusing to load a "
+                    "parallel layout, not whole on every node, with no PFS step to reshard from); "
+                    "refusing to load a "
                     "corrupt one or to silently start over. Fix: restart with the layout "
                     "they were saved with, or move "
                     f"{self.folder} and the local folders aside to start from scratch.")
