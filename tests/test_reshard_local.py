@@ -214,3 +214,40 @@ def test_recovery_loads_it_and_skips_it_where_dcp_cannot_read_it(two_rank_step, 
         assert rec.tier is None and "only a PFS step reshards" in rec.skipped[0][2]
     finally:
         ckpt.close()
+
+
+def _old_world_steps(root: str, steps, world: int = 4) -> None:
+    """Committed steps of the job's run at `world` ranks: every rank's part files (one
+    node folder holding them all: own parts and replicas)."""
+    old = LocalTier(root, 0, world, True, 3, job_id="J")
+    for s in steps:
+        os.makedirs(old.step_dir(s), exist_ok=True)
+        for r in range(world):
+            for suffix in ("json", "layout", "data"):
+                with open(old._part(s, suffix, r), "w") as f:
+                    f.write("{}")
+        old.commit(s, {"world_size": world})
+
+
+def test_retention_never_counts_steps_of_another_world_size_and_removes_them_whole(tmp_path):
+    """Back at 2 ranks from a PFS step older than the 4-rank run's local steps 950 and
+    1000: the job's own new commits are kept (the old steps do not take the keep slots)
+    and, once it has one, the old steps go whole, their other ranks' replicas too."""
+    root = str(tmp_path / "job-J")
+    _old_world_steps(root, (900, 950, 1000))
+    local = LocalTier(root, 0, 2, True, 2, job_id="J")
+    assert local.other_world_steps() == [900, 950, 1000]
+    for step in (550, 600):
+        os.makedirs(local.step_dir(step), exist_ok=True)
+        local.commit(step, {"world_size": 2})
+        local.purge(set(), committed_now=step)
+    assert local.steps() == [550, 600]
+
+
+def test_a_restart_removes_the_other_world_steps_newer_than_the_step_it_resumed_from(tmp_path):
+    root = str(tmp_path / "job-J")
+    _old_world_steps(root, (400, 950, 1000))
+    assert LocalTier(root, 1, 2, False, 2, job_id="J").drop_other_world_after(500) == []  # the first rank's
+    local = LocalTier(root, 0, 2, True, 2, job_id="J")
+    assert local.drop_other_world_after(500) == [950, 1000]
+    assert local.steps() == [400]  # older: a fallback until this job commits its own

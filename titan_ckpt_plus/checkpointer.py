@@ -121,6 +121,9 @@ class _Job:
     generation: int = 0  # the staging buffer's (HostBuffer.generation) the job staged into
 
 
+_REFUSED = "the job's state refused it: "
+
+
 @dataclass
 class Recovery:
     tier: str | None  # "local", "pfs" or None (nothing usable)
@@ -320,6 +323,10 @@ class TieredCheckpointer:
 
     def resumed_at(self, step: int) -> None:
         self.schedule.start_at(step)
+        dropped = self.local.drop_other_world_after(step)
+        if dropped:
+            log.info(f"[titan_ckpt_plus] removed local steps {dropped} of the job's run at another world "
+                     f"size: newer than step {step}, which it resumed from")
 
     def save(self, step: int, last_step: bool = False) -> None:
         now = time.monotonic()
@@ -427,6 +434,9 @@ class TieredCheckpointer:
             job.fingerprint = job.layout.fingerprint()
             if self._chunks[0] != job.fingerprint:  # a job's specs change only with its layout
                 self._chunks = (job.fingerprint, staging.chunk_table(job.layout, job.specs))
+                if self._chunks[1] is None:
+                    log.warning("[titan_ckpt_plus] a shard's placement has no DCP chunk: this layout's local "
+                                "steps reshard only from the PFS after a DP change (local_reshard)")
             job.layout.chunks = self._chunks[1]
             job.layout_bytes = job.layout.to_bytes()
             job.ok = True
@@ -657,11 +667,18 @@ class TieredCheckpointer:
             why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
         why = agree(why, self.commit_pg)
         if not why:
+            err = None
             try:
                 rec.bytes_read["local"] += load(reader)
             except CheckpointException as e:  # DCP could not read it: on every rank alike
                 why = f"loading it resharded failed: {e}"
-            why = agree(why, self.commit_pg)
+            except Exception as e:  # the job's own state refused it (maybe on some ranks only)
+                err, why = e, f"{_REFUSED}{e!r}"
+            why = agree(why, self.commit_pg)  # every rank gets here: none waits alone
+            if err is not None:
+                raise err
+            if _REFUSED in why:
+                raise RuntimeError(f"[titan_ckpt_plus] loading local step {step} resharded: {why}")
         return f"{why} (resharding from world size {world_size})" if why else ""
 
     # ---- background side ------------------------------------------------------

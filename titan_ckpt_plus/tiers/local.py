@@ -473,6 +473,28 @@ class LocalTier:
                       else "saved with another parallel layout") + " (only a PFS step reshards)"
         return out
 
+    def other_world_steps(self, steps: list[int] | None = None) -> list[int]:
+        """Of `steps` (all if None), the committed ones saved at another world size:
+        steps of this job before a DP change. They never count among the steps
+        retention keeps (their numbers may be ahead of this job's), and go whole."""
+        out = []
+        for s in self.committed_steps(steps):
+            was = self._commit_record(s).get("world_size")
+            if isinstance(was, int) and was != self.world_size:
+                out.append(s)
+        return out
+
+    def drop_other_world_after(self, step: int) -> list[int]:
+        """After a restart at `step`: the node's first rank removes the steps of another
+        world size newer than it (a timeline the job left: it saves those numbers again).
+        Before any save, so no rank writes in them. Returns the steps removed."""
+        if not self.first_on_node:
+            return []
+        gone = [s for s in self.other_world_steps() if s > step]
+        for s in gone:
+            shutil.rmtree(self.step_dir(s), ignore_errors=True)
+        return gone
+
     def reshardable(self, steps) -> dict[int, int]:
         """Of `steps` (other_layout_steps: this job's, saved under another layout),
         those whose every part this folder holds (its node's and replicas) -> the world
@@ -589,14 +611,15 @@ class LocalTier:
         `committed_now`: the step all ranks just voted committed, which counts even
         before this node's first rank has written its COMMIT.json."""
         steps = self.steps()
-        committed = sorted(set(self.committed_steps(steps)) | ({committed_now} - {None}))
+        other = self.other_world_steps(steps)  # before a DP change: gone once this job commits
+        committed = sorted(set(self.committed_steps(steps)) - set(other) | ({committed_now} - {None}))
         if not committed:
             return []
         keep = set(committed[-self.keep_latest_k:]) | protected
         newest = committed[-1]
         gone = []
         for s in steps:
-            if s in keep or s > newest:
+            if s in keep or (s > newest and s not in other):
                 continue
             try:
                 self._remove_step(s, held or [])
