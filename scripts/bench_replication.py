@@ -138,7 +138,7 @@ def restarts(base: Path) -> list[dict]:
     for name, wipe, extra in (("own disk", [], None), ("neighbor", ["local/1"], None), ("PFS", ["local"], None),
                               (LOST, ["local/1"], one_node),
                               (LOST_PFS, ["local/1"], (*one_node, "--checkpoint.no-local-reshard"))):
-        work = base / name.split(",")[0].replace(" ", "_") / str(len(rows))
+        work = base / f"restart-{len(rows)}"
         shutil.copytree(killed, work)
         for w in wipe:
             shutil.rmtree(work / w)

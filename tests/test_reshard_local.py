@@ -146,7 +146,7 @@ def test_a_part_that_fails_its_checksum_or_lacks_its_offsets_is_never_loaded(two
     layout = staging.StateLayout.from_bytes(local.checked_part_files(STEP, 0)[0])
     layout.chunks = None  # a part written before the offsets were recorded
     with pytest.raises(files.CorruptCheckpoint, match="no shard offsets"):
-        reshard.step_metadata({0: layout}, local.part_name)
+        reshard.step_metadata({0: layout})
 
 
 def test_a_step_is_a_reshard_candidate_only_where_every_node_holds_it_whole():

@@ -541,6 +541,12 @@ def rebuild(layout: StateLayout, buffer: torch.Tensor | None, specs: dict | None
     return walk(layout.skeleton)
 
 
+def entry_path(obj_path: tuple) -> str:
+    """A TensorEntry's path for a DCP object path (its planner's `mappings`): the
+    walk in plan_layout names each key and list index after a "/"."""
+    return "".join(f"/{p}" for p in obj_path)
+
+
 def value_at(skeleton: Any, path: tuple) -> Any:
     """The skeleton's value at a DCP object path (its planner's `mappings`)."""
     for key in path:

@@ -55,6 +55,11 @@ def part_matches(m: dict | None, rank: int, step: int, job_id: str, world_size: 
     return part_of(m, rank, step, job_id, world_size) and m.get("layout_tag") == layout_tag
 
 
+def part_file(rank: int, suffix: str) -> str:
+    """A part's file (json, layout, data) in its step folder."""
+    return f"rank-{rank:05d}.{suffix}"
+
+
 def job_dir(local_folder: str, job_id: str) -> str:
     return os.path.join(local_folder, JOB_PREFIX + job_id)
 
@@ -355,8 +360,7 @@ class LocalTier:
         return others_note(os.path.dirname(self.root), self.job_id)
 
     def _part(self, step: int, suffix: str, rank: int | None = None) -> str:
-        r = self.rank if rank is None else rank
-        return os.path.join(self.step_dir(step), f"rank-{r:05d}.{suffix}")
+        return os.path.join(self.step_dir(step), part_file(self.rank if rank is None else rank, suffix))
 
     def write_part(self, step: int, data, describe, on_chunk=None, before_chunk=None,
                    known_crc=None) -> tuple[bytes, bytes]:
@@ -492,8 +496,13 @@ class LocalTier:
             return []
         gone = [s for s in self.other_world_steps() if s > step]
         for s in gone:
-            shutil.rmtree(self.step_dir(s), ignore_errors=True)
+            self._remove_whole(s)
         return gone
+
+    def _remove_whole(self, step: int) -> None:
+        """A step of the job before a DP change: no rank of this run holds its parts and
+        replicas by their old ranks, so the node's first rank removes the folder."""
+        shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     def reshardable(self, steps) -> dict[int, int]:
         """Of `steps` (other_layout_steps: this job's, saved under another layout),
@@ -520,10 +529,6 @@ class LocalTier:
             return layout, 0
         files.check_file(self._part(step, "data", rank), m["files"]["data"])
         return layout, m["files"]["data"]["size"]
-
-    def part_name(self, rank: int) -> str:
-        """A part's data file, relative to its step folder."""
-        return os.path.basename(self._part(0, "data", rank))
 
     def _commit_record(self, step: int) -> dict:
         try:
@@ -567,17 +572,11 @@ class LocalTier:
     def _spare(self, rank: int) -> str:
         """Where retention retires the rank's data files (files.retire): the disk
         holds one more part per rank at rest, and no more while a step is written."""
-        return os.path.join(self.root, files.SPARE, f"rank-{rank:05d}.data")
+        return os.path.join(self.root, files.SPARE, part_file(rank, "data"))
 
     def _remove_step(self, s: int, held: list[int]) -> None:
         d = self.step_dir(s)
         gone = contextlib.suppress(FileNotFoundError)  # a file another rank or a torn write left out
-        was = self._commit_record(s).get("world_size") if self.first_on_node else None
-        if was is not None and was != self.world_size:
-            # a step of the job before a DP change: no rank of this one holds its parts
-            # and replicas by their old ranks, so the node's first rank removes it whole
-            shutil.rmtree(d, ignore_errors=True)
-            return
         if self.first_on_node:
             with gone:
                 os.remove(os.path.join(d, COMMIT))
@@ -607,11 +606,13 @@ class LocalTier:
         """Keep the newest `keep_latest_k` committed steps, anything newer than the
         newest commit (being written) and `protected` (being drained); delete the
         files this rank is responsible for (its own part, and the replicas it received
-        from `held` ranks) of every other step. Returns the steps touched.
+        from `held` ranks) of every other step; steps saved at another world size
+        never count as kept, and the node's first rank removes them whole once this
+        run has a commit. Returns the steps touched.
         `committed_now`: the step all ranks just voted committed, which counts even
         before this node's first rank has written its COMMIT.json."""
         steps = self.steps()
-        other = self.other_world_steps(steps)  # before a DP change: gone once this job commits
+        other = set(self.other_world_steps(steps))  # before a DP change: gone once this job commits
         committed = sorted(set(self.committed_steps(steps)) - set(other) | ({committed_now} - {None}))
         if not committed:
             return []
@@ -621,9 +622,10 @@ class LocalTier:
         for s in steps:
             if s in keep or (s > newest and s not in other):
                 continue
-            try:
-                self._remove_step(s, held or [])
-            except FileNotFoundError:
-                pass  # another rank of this node removed it first
             gone.append(s)
+            if s not in other:
+                with contextlib.suppress(FileNotFoundError):  # another rank of this node removed it first
+                    self._remove_step(s, held or [])
+            elif self.first_on_node:
+                self._remove_whole(s)
         return gone

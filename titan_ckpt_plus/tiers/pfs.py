@@ -190,7 +190,7 @@ class PartCopyWriter(FileSystemWriter):
             if item.type == WriteItemType.BYTE_IO:
                 small.append((item, path))
                 continue
-            e = frames.get("/" + "/".join(map(str, path)))
+            e = frames.get(staging.entry_path(path))
             if e is None or not e.pre:
                 raise files.CorruptCheckpoint(f"{item.index.fqn}: not in the part's layout, or not framed")
             tensors.append((e.frame, item))

@@ -26,13 +26,14 @@ from torch.distributed.checkpoint.planner import LoadItemType
 
 from titan_ckpt_plus import staging
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
+from titan_ckpt_plus.tiers.local import part_file
 from titan_ckpt_plus.tiers.pfs import SmallItems
 
 
-def step_metadata(layouts: dict, part_name) -> tuple[Metadata, dict[str, bytes]]:
+def step_metadata(layouts: dict) -> tuple[Metadata, dict[str, bytes]]:
     """(DCP's Metadata for a step's parts, the small items' bytes by item name).
-    `layouts`: old rank -> its part's StateLayout; `part_name(rank)`: its data file,
-    relative to the step folder. A chunk held by several parts (a replicated tensor)
+    `layouts`: old rank -> its part's StateLayout (its data file is part_file(rank,
+    "data") in the step folder). A chunk held by several parts (a replicated tensor)
     is read from the lowest rank's, as are small items every rank has."""
     tensors: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
@@ -48,7 +49,7 @@ def step_metadata(layouts: dict, part_name) -> tuple[Metadata, dict[str, bytes]]
             if not isinstance(value, torch.Tensor):
                 values.setdefault(fqn, value)
                 continue
-            i = index["/" + "/".join(map(str, paths[fqn]))]
+            i = index[staging.entry_path(paths[fqn])]
             e = layout.entries[i]
             if not e.pre:
                 raise CorruptCheckpoint(f"rank {rank}'s part is not in DCP's file form ({fqn} has no frame)")
@@ -61,7 +62,7 @@ def step_metadata(layouts: dict, part_name) -> tuple[Metadata, dict[str, bytes]]
             if key not in storage:
                 md.chunks.append(ChunkStorageMetadata(torch.Size(offset), torch.Size(e.shape)))
                 start, end = e.frame
-                storage[key] = _StorageInfo(part_name(rank), start, end - start)
+                storage[key] = _StorageInfo(part_file(rank, "data"), start, end - start)
     small = SmallItems()
     blobs = {fqn: small.serialize(v) for fqn, v in values.items() if fqn not in tensors}
     state = dict(tensors, **{fqn: BytesStorageMetadata() for fqn in blobs})
@@ -109,5 +110,5 @@ def open_step(local, step: int, world_size: int, share: tuple[int, int] = (0, 1)
         raw, size = local.checked_part_files(step, rank, data=rank % share[1] == share[0])
         layouts[rank] = staging.StateLayout.from_bytes(raw)
         nbytes += len(raw) + size
-    metadata, blobs = step_metadata(layouts, local.part_name)
+    metadata, blobs = step_metadata(layouts)
     return LocalPartsReader(local.step_dir(step), metadata, blobs), nbytes
