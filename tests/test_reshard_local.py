@@ -209,6 +209,16 @@ def test_recovery_loads_it_and_skips_it_where_dcp_cannot_read_it(two_rank_step, 
             raise ValueError("the dataloader refuses DP 2")
         with pytest.raises(ValueError, match="refuses"):
             ckpt.recover(refused)
+        assert rec.partly_loaded == -1  # it failed before writing into the state
+
+        def torn_midway(reader):  # a data file cut short after its check: DCP fails midway
+            os.truncate(os.path.join(root, f"step-{STEP}", "rank-00001.data"), 64)
+            return reader.load(state)
+        state = _target()
+        rec = ckpt.recover(torn_midway)
+        assert rec.tier is None and rec.partly_loaded == STEP
+        assert "after writing some of the state" in rec.skipped[0][2]
+        assert state["train_state"]["step"] == STEP  # some of it is indeed that step's
         ckpt.s.local_reshard = False  # [checkpoint] local_reshard = false: reported, never tried
         rec = ckpt.recover(unreadable)
         assert rec.tier is None and "only a PFS step reshards" in rec.skipped[0][2]
@@ -251,3 +261,78 @@ def test_a_restart_removes_the_other_world_steps_newer_than_the_step_it_resumed_
     local = LocalTier(root, 0, 2, True, 2, job_id="J")
     assert local.drop_other_world_after(500) == [950, 1000]
     assert local.steps() == [400]  # older: a fallback until this job commits its own
+
+
+def test_a_partly_loaded_state_is_loaded_over_whole_or_refused():
+    """After a resharded load failed midway, PFS step 0 (the model alone) would leave
+    the optimizer partly that step's: refused with the fix; a whole state is not."""
+    from titan_ckpt_plus.adapters.torchtitan_v022 import refuse_a_partial_state
+    from titan_ckpt_plus.checkpointer import Recovery
+
+    with pytest.raises(RuntimeError, match=r"local step 6 .*local_reshard = false"):
+        refuse_a_partial_state(Recovery("pfs", step=0, partly_loaded=6))
+    for rec in (Recovery("pfs", step=4, partly_loaded=6), Recovery("local", step=4, partly_loaded=6),
+                Recovery("pfs", step=0)):
+        refuse_a_partial_state(rec)
+
+
+def _save_2d_rank(rank: int, store: str, root: str, dcp_dir: str) -> None:
+    """One rank of a 2 x 2 FSDP + TP job (torchtitan's 2-D layout): a column-wise TP
+    weight under FSDP is a _StridedShard on the DP dim. Its part, DCP's own save, and
+    (rank 0) the full tensors to compare with."""
+    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+        state = {"model": model.state_dict(), "train_state": {"step": STEP}}
+        layout, tensors, specs = staging.plan_layout(state)
+        layout.chunks = staging.chunk_table(layout, specs)
+        assert layout.chunks is not None
+        buf = staging.HostBuffer(pin=False)
+        buf.copy_in(layout, tensors)
+        local = LocalTier(root, rank, 4, rank == 0, 3, job_id="J")
+        local.write_part(STEP, buf.data[: layout.total_bytes].numpy(),
+                         lambda: (layout.to_bytes(), {"layout_tag": {}}))
+        dcp.save(state, checkpoint_id=dcp_dir)
+        full = {k: v.full_tensor() for k, v in state["model"].items()}
+        placements = {k: repr(v.placements) for k, v in state["model"].items()}
+        dist.barrier()
+        if rank == 0:
+            local.commit(STEP, {"world_size": 4})
+            torch.save({"full": full, "placements": placements}, os.path.join(dcp_dir, "full.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_2d_fsdp_tp_step_with_strided_shards_loads_resharded_at_world_size_1(tmp_path):
+    root, dcp_dir = str(tmp_path / "local" / "job-J"), str(tmp_path / "dcp")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_save_2d_rank, args=(r, str(tmp_path / "store"), root, dcp_dir), daemon=True)
+             for r in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0
+    saved = torch.load(os.path.join(dcp_dir, "full.pt"))
+    assert "_StridedShard" in saved["placements"]["0.weight"]  # the case this test is for
+    local = LocalTier(root, 0, 1, True, 3, job_id="J")
+    reader, _ = reshard.open_step(local, STEP, 4)
+    theirs = FileSystemReader(dcp_dir).read_metadata()
+    for fqn, md in theirs.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            mine = reader.metadata.state_dict_metadata[fqn]
+            assert sorted((c.offsets, c.sizes) for c in mine.chunks) == sorted(
+                (c.offsets, c.sizes) for c in md.chunks), fqn
+    state = {"model": {k: torch.zeros_like(v) for k, v in saved["full"].items()}, "train_state": {"step": 0}}
+    reader.load(state)
+    for k, want in saved["full"].items():
+        assert torch.equal(state["model"][k], want), k
+    assert state["train_state"]["step"] == STEP

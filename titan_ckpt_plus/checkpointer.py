@@ -122,6 +122,7 @@ class _Job:
 
 
 _REFUSED = "the job's state refused it: "
+_WROTE = "after writing some of the state"
 
 
 @dataclass
@@ -130,6 +131,7 @@ class Recovery:
     step: int = -1
     state: Any = None  # local: the saved state, tensors as views of the read buffer
     resharded_from: int = 0  # local, another layout's step (loaded in recover()): its world size
+    partly_loaded: int = -1  # a resharded step whose failed load wrote some of the state
     bytes_read: dict = field(default_factory=lambda: {"local": 0, "peer": 0, "pfs": 0})
     bytes_total: dict = field(default_factory=dict)  # summed over ranks
     skipped: list = field(default_factory=list)  # (tier, step, reason)
@@ -580,7 +582,8 @@ class TieredCheckpointer:
         (a local state already read and checked, or a PFS step to dcp.load). A local
         step of another layout (local_reshard) is loaded here, by `load_resharded(reader)`
         (dcp.load into the job's state; returns bytes read): if DCP cannot read it (it
-        raises on every rank alike), the next candidate is tried and loads over it. An
+        raises on every rank alike), the next candidate is tried and loads over it
+        (`partly_loaded` says whether it must: the caller refuses a model-only one). An
         error of the job's own state (a dataloader refusing another DP degree) is raised:
         the PFS step would meet it too."""
         rec = Recovery(None)
@@ -671,7 +674,7 @@ class TieredCheckpointer:
             try:
                 rec.bytes_read["local"] += load(reader)
             except CheckpointException as e:  # DCP could not read it: on every rank alike
-                why = f"loading it resharded failed: {e}"
+                why = f"loading it resharded failed{' ' + _WROTE if reader.wrote else ''}: {e}"
             except Exception as e:  # the job's own state refused it (maybe on some ranks only)
                 err, why = e, f"{_REFUSED}{e!r}"
             why = agree(why, self.commit_pg)  # every rank gets here: none waits alone
@@ -679,6 +682,8 @@ class TieredCheckpointer:
                 raise err
             if _REFUSED in why:
                 raise RuntimeError(f"[titan_ckpt_plus] loading local step {step} resharded: {why}")
+            if _WROTE in why:  # on every rank: only a whole state loaded over it may follow
+                rec.partly_loaded = step
         return f"{why} (resharding from world size {world_size})" if why else ""
 
     # ---- background side ------------------------------------------------------

@@ -471,6 +471,7 @@ class TieredCheckpointManager(_StockManager):
                     "they were saved with, or move "
                     f"{self.folder} and the local folders aside to start from scratch.")
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
+        refuse_a_partial_state(rec)
         if rec.tier == "pfs":
             states = self._states_to_load(model_only=rec.step == 0)
             rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, states)
@@ -520,6 +521,20 @@ class TieredCheckpointManager(_StockManager):
         if lock is not None:
             lock.release()
         super().close()
+
+
+def refuse_a_partial_state(rec) -> None:
+    """A resharded local step whose load failed midway (Recovery.partly_loaded) left
+    some of the state its own: only a whole state may load over it. torchtitan's PFS
+    step 0 is the model alone, so the optimizer would train on with those values."""
+    if rec.tier == "pfs" and rec.step == 0 and rec.partly_loaded >= 0:
+        raise RuntimeError(
+            f"[titan_ckpt_plus] local step {rec.partly_loaded} failed to load resharded after "
+            "writing some of the state, and the only older checkpoint, PFS step 0, holds the "
+            "model alone: the optimizer would keep part of step "
+            f"{rec.partly_loaded}'s values. Refusing to train on that mix. Fix: restart with "
+            "[checkpoint] local_reshard = false (--checkpoint.no-local-reshard) to start "
+            "from step 0, or move that step's local folders aside.")
 
 
 def _wants_tiers(args, kwargs) -> bool:

@@ -72,12 +72,14 @@ def step_metadata(layouts: dict) -> tuple[Metadata, dict[str, bytes]]:
 class LocalPartsReader(FileSystemReader):
     """DCP's reader over a local step folder of another layout (step_metadata): the
     tensor items from the parts' frames, the small items from memory. Counts the bytes
-    it reads."""
+    it reads, and whether it began writing into the state (DCP loads in place: a
+    failure after that leaves the state partly this step's)."""
 
     def __init__(self, step_dir: str, metadata: Metadata, blobs: dict[str, bytes]) -> None:
         super().__init__(step_dir)
         self.metadata, self.blobs = metadata, blobs
         self.bytes_read = 0
+        self.wrote = False
 
     def load(self, state: dict) -> int:
         """dcp.load into `state` in place, resharded to its layout; returns bytes read."""
@@ -88,6 +90,7 @@ class LocalPartsReader(FileSystemReader):
         return self.metadata
 
     def read_data(self, plan, planner):
+        self.wrote = True  # planning wrote nothing; from here items land in the state
         tensors = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
