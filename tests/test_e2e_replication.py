@@ -110,7 +110,8 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     """[checkpoint] local_reshard (the default): node 1 is gone and the job restarts on node 0 alone, 2
     ranks instead of 4. Node 0 holds its own parts and its neighbor's replicas, so the
     newest local step (6) is loaded resharded by DCP, with no PFS byte; the state loaded
-    that way from local step 4 is the PFS step 4's, resharded the same way."""
+    that way from local step 4 is the PFS step 4's, resharded the same way, and so is
+    the state of two nodes that fetch the parts their folders lack from each other."""
     more = ("--checkpoint.exclude_from_loading", "dataloader")
     work = copy_run(killed, tmp_path / "w")
     shutil.rmtree(work / "local" / "1")
@@ -132,3 +133,19 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     assert (_recovery(pfs)["tier"], _recovery(pfs)["step"]) == ("pfs", 4)
     assert load_digests(older, 4) == load_digests(pfs, 4) and len(load_digests(pfs, 4)) == 2
     assert losses(older, "run2.jsonl") == losses(pfs, "run2.jsonl")
+    # Back on two nodes of 1 rank, node 1's folder holding only its own parts (2, 3): it
+    # fetches those of ranks 0 and 1 from node 0. Step 6's rank 1 part fails its check
+    # on arrival, so step 6 is skipped and step 4 loads, fetched and resharded, as above.
+    spread = copy_run(killed, tmp_path / "spread")
+    for part in job_dir(spread, "1").glob("step-*/rank-0000[01].*"):
+        part.unlink()
+    flip_byte(job_dir(spread) / "step-6" / "rank-00001.data")
+    ok(*torchrun_nodes(spread, *more, nproc=1, loss_log="run2.jsonl"))
+    rec = _recovery(spread)
+    assert (rec["tier"], rec["step"], rec["resharded_from"], rec["bytes_pfs"]) == ("local", 4, 4, 0)
+    skipped = {(t, s): why for t, s, why in rec["skipped"]}
+    assert "part of rank 1 from rank" in skipped[("local", 6)] and "crc32c" in skipped[("local", 6)]
+    fetched = [*job_dir(killed).glob("step-6/rank-00000.*"), *job_dir(killed).glob("step-4/rank-0000[01].*")]
+    assert rec["bytes_peer"] == sum(p.stat().st_size for p in fetched) and len(fetched) == 9
+    assert load_digests(spread, 4) == load_digests(older, 4)
+    assert losses(spread, "run2.jsonl") == losses(pfs, "run2.jsonl")

@@ -179,7 +179,7 @@ def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_pat
     assert losses(tmp_path) == losses(reference)  # a failed save does not touch training
 
 
-def test_local_steps_of_another_layout_not_whole_here_and_no_pfs_step_refuse_to_start_over(reference, tmp_path):
+def test_local_steps_of_another_layout_with_a_part_held_nowhere_and_no_pfs_step_refuse_to_start_over(reference, tmp_path):
     work = copy_run(reference, tmp_path / "copy")
     shutil.rmtree(work / "dump" / "checkpoint")  # nothing to reshard from
     for part in job_dir(work).glob("step-*/rank-00001.*"):  # nor from local: rank 1's parts are gone

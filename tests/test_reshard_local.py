@@ -39,21 +39,28 @@ def _state(mesh, rank: int) -> dict:
             "dataloader": {f"dp_rank_{rank}": pickle.dumps({"rank": rank}), "world_size": 2}}
 
 
+def _write_part(state: dict, root: str, rank: int, world: int) -> LocalTier:
+    """The rank's part of STEP in the shared node folder, its chunks recorded as the copy
+    thread records them."""
+    layout, tensors, specs = staging.plan_layout(state)
+    layout.chunks = staging.chunk_table(layout, specs)
+    assert layout.chunks is not None
+    buf = staging.HostBuffer(pin=False)
+    buf.copy_in(layout, tensors)
+    local = LocalTier(root, rank, world, rank == 0, 3, job_id="J")
+    local.write_part(STEP, buf.data[: layout.total_bytes].numpy(), lambda: (layout.to_bytes(), {"layout_tag": {}}))
+    return local
+
+
 def _save_rank(rank: int, store: str, root: str, dcp_dir: str) -> None:
-    """One old rank: its part of STEP in the shared node folder (chunks recorded as the
-    copy thread records them), and DCP's own save of the same state beside it."""
+    """One old rank: its part of STEP in the shared node folder, and DCP's own save of
+    the same state beside it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         state = _state(init_device_mesh("cpu", (2,)), rank)
-        layout, tensors, specs = staging.plan_layout(state)
-        layout.chunks = staging.chunk_table(layout, specs)
-        buf = staging.HostBuffer(pin=False)
-        buf.copy_in(layout, tensors)
-        local = LocalTier(root, rank, 2, rank == 0, 3, job_id="J")
-        local.write_part(STEP, buf.data[: layout.total_bytes].numpy(),
-                         lambda: (layout.to_bytes(), {"layout_tag": {}}))
+        local = _write_part(state, root, rank, 2)
         dcp.save(state, checkpoint_id=dcp_dir)
         dist.barrier()
         if rank == 0:
@@ -104,7 +111,7 @@ def test_a_world_size_1_job_loads_the_two_ranks_step_resharded(two_rank_step):
     root, _ = two_rank_step
     local = LocalTier(root, 0, 1, True, 3, job_id="J")
     other = local.other_layout_steps(local.held_parts([{"world_size": 1}]))
-    assert local.reshardable(other) == {STEP: 2}
+    assert local.other_layout_parts(other) == {STEP: (2, [0, 1])}
     reader, checked = reshard.open_step(local, STEP, 2)
     sizes = [os.path.getsize(os.path.join(root, f"step-{STEP}", f"rank-0000{r}.{x}"))
              for r in (0, 1) for x in ("data", "layout")]
@@ -149,24 +156,33 @@ def test_a_part_that_fails_its_checksum_or_lacks_its_offsets_is_never_loaded(two
         reshard.step_metadata({0: layout})
 
 
-def test_a_step_is_a_reshard_candidate_only_where_every_node_holds_it_whole():
-    assert recovery.reshardable_everywhere([{6: 2, 4: 2}, {6: 2}, {6: 2, 4: 2}]) == {6: 2}
-    assert recovery.reshardable_everywhere([{6: 2}, {6: 4}]) == {}
+def test_a_step_is_a_reshard_candidate_where_every_part_is_held_on_some_node():
+    """Ranks 0-1 on node 0, 2-3 on node 1 (first ranks 0 and 2); a folder lacking a part
+    gets it from the first node holding it; a part held nowhere, or two world sizes
+    for one step, leave the step out."""
+    nodes = [0, 0, 2, 2]
+    whole = {6: (2, [0, 1])}
+    assert recovery.reshard_plans([whole] * 4, nodes) == {6: (2, [])}
+    halves = [{6: (4, [0, 1]), 4: (4, [0, 1, 2])}] * 2 + [{6: (4, [2, 3]), 4: (4, [0])}] * 2
+    assert recovery.reshard_plans(halves, nodes) == {6: (4, [(2, 0, 2), (2, 0, 3), (0, 2, 0), (0, 2, 1)])}
+    fresh = [{6: (2, [0, 1])}] * 2 + [{}] * 2  # node 1's folder is new: it gets every part
+    assert recovery.reshard_plans(fresh, nodes) == {6: (2, [(0, 2, 0), (0, 2, 1)])}
+    assert recovery.reshard_plans([{6: (2, [0, 1])}] * 2 + [{6: (4, [0])}] * 2, nodes) == {}
     # newest first; at one step a local part of this layout, then a reshard, then the PFS
     assert recovery.ordered_candidates([{4: [0]}], [6, 4], {6: 2, 4: 2}) == [
         ("reshard", 6), ("pfs", 6), ("local", 4), ("reshard", 4), ("pfs", 4)]
 
 
-def test_a_missing_part_or_another_jobs_leaves_a_step_out(two_rank_step, tmp_path):
+def test_a_missing_part_or_another_jobs_is_not_counted_as_held(two_rank_step, tmp_path):
     import shutil
 
     root = str(tmp_path / "job-J")
     shutil.copytree(two_rank_step[0], root)
     local = LocalTier(root, 0, 1, True, 3, job_id="J")
-    assert local.reshardable([STEP]) == {STEP: 2}
-    assert LocalTier(root, 0, 1, True, 3, job_id="K").reshardable([STEP]) == {}
+    assert local.other_layout_parts([STEP]) == {STEP: (2, [0, 1])}
+    assert LocalTier(root, 0, 1, True, 3, job_id="K").other_layout_parts([STEP]) == {STEP: (2, [])}
     os.remove(os.path.join(root, f"step-{STEP}", "rank-00001.json"))
-    assert local.reshardable([STEP]) == {}
+    assert local.other_layout_parts([STEP]) == {STEP: (2, [0])}
     assert os.path.isfile(os.path.join(root, f"step-{STEP}", COMMIT))
 
 
@@ -292,14 +308,7 @@ def _save_2d_rank(rank: int, store: str, root: str, dcp_dir: str) -> None:
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
         state = {"model": model.state_dict(), "train_state": {"step": STEP}}
-        layout, tensors, specs = staging.plan_layout(state)
-        layout.chunks = staging.chunk_table(layout, specs)
-        assert layout.chunks is not None
-        buf = staging.HostBuffer(pin=False)
-        buf.copy_in(layout, tensors)
-        local = LocalTier(root, rank, 4, rank == 0, 3, job_id="J")
-        local.write_part(STEP, buf.data[: layout.total_bytes].numpy(),
-                         lambda: (layout.to_bytes(), {"layout_tag": {}}))
+        local = _write_part(state, root, rank, 4)
         dcp.save(state, checkpoint_id=dcp_dir)
         full = {k: v.full_tensor() for k, v in state["model"].items()}
         placements = {k: repr(v.placements) for k, v in state["model"].items()}

@@ -591,11 +591,11 @@ class TieredCheckpointer:
         tags = self.s.layout_tags
         held = self.local.held_parts(tags)
         other = self.local.other_layout_steps(held)
-        whole = self.local.reshardable(other) if self.s.local_reshard and load_resharded else {}
-        dist.all_gather_object(reports, (held, other, whole), group=self.commit_pg)
-        reshardable = recovery.reshardable_everywhere([w for _, _, w in reports])
-        other = {s: why for _, o, _ in reports for s, why in o.items()}
-        reports = [held for held, _, _ in reports]
+        parts = self.local.other_layout_parts(other) if self.s.local_reshard and load_resharded else {}
+        dist.all_gather_object(reports, (held, other, parts, self._node_ranks()[0]), group=self.commit_pg)
+        reshardable = recovery.reshard_plans([p for _, _, p, _ in reports], [n for *_, n in reports])
+        other = {s: why for _, o, _, _ in reports for s, why in o.items()}
+        reports = [held for held, *_ in reports]
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
             rec.skipped.append(("local", step, other[step]))
         for step, ranks in recovery.missing_parts(reports).items():
@@ -608,9 +608,9 @@ class TieredCheckpointer:
                     rec.tier, rec.step, rec.state = tier, step, state
                     break
             elif tier == "reshard":
-                why = self._load_resharded(step, reshardable[step], load_resharded, rec)
+                why = self._load_resharded(step, *reshardable[step], load_resharded, rec)
                 if not why:
-                    rec.tier, rec.step, rec.resharded_from = "local", step, reshardable[step]
+                    rec.tier, rec.step, rec.resharded_from = "local", step, reshardable[step][0]
                     break
             else:
                 ok, why = self.pfs.verify(step, self.commit_pg)
@@ -631,11 +631,7 @@ class TieredCheckpointer:
         limit = shutil.disk_usage(self.local.root).free + (1 << 30)
         for holder, receiver in plan:
             if me == holder:
-                try:
-                    out = Part(*self.local.read_raw(step, receiver))
-                except OSError:
-                    out = None
-                wire.exchange(receiver, out, None, limit)
+                self._send_part(wire, step, receiver, receiver, limit)
             elif me == receiver:
                 part, why = wire.exchange(None, None, holder, limit)
                 if part is not None:
@@ -656,19 +652,34 @@ class TieredCheckpointer:
         except Exception as e:
             return None, str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
 
-    def _load_resharded(self, step: int, world_size: int, load, rec: Recovery) -> str:
-        """Collective: `step`'s parts in this node folder checked, then loaded by
-        `load(reader)`; "" once done on every rank, else why not."""
-        reader = None
+    def _node_ranks(self) -> list[int]:
+        return self.s.node_ranks if self.s.rank in self.s.node_ranks else [self.s.rank]
+
+    def _send_part(self, wire: Wire, step: int, rank: int, receiver: int, limit: int) -> None:
+        """A holder's side of a recovery transfer: `rank`'s part of `step` as stored (the
+        receiver checks it), or word that there is none to send."""
         try:
-            # the node's ranks check its parts' data once between them
-            node = self.s.node_ranks if self.s.rank in self.s.node_ranks else [self.s.rank]
-            reader, nbytes = reshard.open_step(self.local, step, world_size, (node.index(self.s.rank), len(node)))
-            rec.bytes_read["local"] += nbytes
-            why = ""
-        except Exception as e:
-            why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
-        why = agree(why, self.commit_pg)
+            out = Part(*self.local.read_raw(step, rank))
+        except OSError:
+            out = None
+        wire.exchange(receiver, out, None, limit)
+
+    def _load_resharded(self, step: int, world_size: int, plan: list, load, rec: Recovery) -> str:
+        """Collective: the parts of `step` this node folder lacks fetched (`plan`:
+        recovery.reshard_plans), every part checked, then loaded by `load(reader)`; ""
+        once done on every rank, else why not."""
+        why = agree(self._fetch_parts(step, world_size, plan, rec), self.commit_pg)
+        reader = None
+        if not why:
+            try:
+                # the node's ranks check its parts' data once between them
+                node = self._node_ranks()
+                reader, nbytes = reshard.open_step(self.local, step, world_size,
+                                                   (node.index(self.s.rank), len(node)))
+                rec.bytes_read["local"] += nbytes
+            except Exception as e:
+                why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
+            why = agree(why, self.commit_pg)
         if not why:
             err = None
             try:
@@ -685,6 +696,31 @@ class TieredCheckpointer:
             if _WROTE in why:  # on every rank: only a whole state loaded over it may follow
                 rec.partly_loaded = step
         return f"{why} (resharding from world size {world_size})" if why else ""
+
+    def _fetch_parts(self, step: int, world_size: int, plan: list, rec: Recovery) -> str:
+        """The parts of `step` (saved by `world_size` ranks) that this node folder lacks,
+        sent by the node holding them and stored as replicas are: streamed to their
+        files, checked on arrival. Every rank walks `plan` in the same order, so the
+        transfers pair up; "" or why not."""
+        me, why = self.s.rank, ""
+        wire, store = Wire(self.commit_pg), self.local.old_run_view(world_size)
+        limit = shutil.disk_usage(self.local.root).free
+        for holder, receiver, old in plan:
+            if me == holder:
+                self._send_part(wire, step, old, receiver, limit)
+            elif me == receiver:
+                try:
+                    with store.receive_replica(step, old) as sink:
+                        part, err = wire.exchange(None, None, holder, limit, sink=sink.write)
+                        if part is None:
+                            raise CorruptCheckpoint(err)
+                        data = sink.entry()
+                        check_part(part, old, step, world_size, self.s.job_id, None, streamed=data)
+                        sink.finish(part.manifest, part.layout)
+                    rec.bytes_read["peer"] += len(part.manifest) + len(part.layout) + data["size"]
+                except Exception as e:  # the exchange is whole; the pairs stay in step
+                    why = why or f"part of rank {old} from rank {holder}: {e}"
+        return why
 
     # ---- background side ------------------------------------------------------
 

@@ -6,8 +6,9 @@ when every rank's part is held somewhere; a rank whose node lacks its part pulls
 from the first holder. Candidates are tried newest first, local before PFS at the
 same step (faster, and it never touches the PFS); one that fails its checks on any
 rank is skipped and the next is tried. A local step of another layout (a changed world
-size) is a candidate too, "reshard", where every rank's node folder holds all its parts
-(with [checkpoint] local_reshard): DCP reshards it from there (tiers/reshard.py).
+size) is a candidate too, "reshard", where every part is held on some node (with
+[checkpoint] local_reshard): a node folder lacking some gets them from a holder, then DCP
+reshards the step from each folder (tiers/reshard.py).
 """
 
 _ORDER = {"local": 2, "reshard": 1, "pfs": 0}  # at the same step
@@ -39,12 +40,38 @@ def missing_parts(reports: list[dict]) -> dict[int, list[int]]:
     return out
 
 
-def reshardable_everywhere(reports: list[dict]) -> dict[int, int]:
-    """step -> old world size, for the steps every rank's node folder holds whole
-    (`reports[r]`: rank r's LocalTier.reshardable), at the same world size."""
-    if not reports:
-        return {}
-    return {s: w for s, w in reports[0].items() if all(rep.get(s) == w for rep in reports[1:])}
+def reshard_plans(held: list[dict], nodes: list[int]) -> dict[int, tuple[int, list]]:
+    """step -> (old world size, [(holder, receiver, old rank)]) for the steps of another
+    world size whose every part some node folder holds: each node folder lacking a part
+    gets it from the first node holding it (node first ranks send and receive), so every
+    folder holds the step whole and DCP reshards it from there. `held[r]`: step -> (old
+    world size, old ranks whose parts rank r's node folder holds); `nodes[r]`: the first
+    rank of r's node. A step the nodes saw at different world sizes is left out."""
+    folders: dict[int, dict] = {}
+    for r, h in enumerate(held):
+        folders.setdefault(nodes[r], h)
+    out = {}
+    for step in set().union(*(set(h) for h in held)) if held else ():
+        worlds = {h[step][0] for h in folders.values() if step in h}
+        if len(worlds) == 1:
+            world = worlds.pop()
+            plan = _fill(world, {n: set(h[step][1]) if step in h else set() for n, h in folders.items()})
+            if plan is not None:
+                out[step] = (world, plan)
+    return out
+
+
+def _fill(world: int, have: dict[int, set]) -> list | None:
+    """(holder, receiver, old rank) until every folder in `have` (node -> old ranks it
+    holds) holds all `world` parts; None if some part is held nowhere."""
+    plan = []
+    for n in sorted(have):
+        for old in sorted(set(range(world)) - have[n]):
+            holders = [m for m in sorted(have) if old in have[m]]
+            if not holders:
+                return None
+            plan.append((holders[0], n, old))
+    return plan
 
 
 def ordered_candidates(reports: list[dict], pfs_steps: list[int],

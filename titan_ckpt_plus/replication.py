@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt_plus.tiers import files
-from titan_ckpt_plus.tiers.local import part_matches
+from titan_ckpt_plus.tiers.local import part_matches, part_of
 
 MAX_MANIFEST = 1 << 20
 
@@ -155,16 +155,18 @@ def _pieces(n: int) -> list[tuple[int, int]]:
 
 
 def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,
-               layout_tag: dict, streamed: dict | None = None) -> dict:
+               layout_tag: dict | None, streamed: dict | None = None) -> dict:
     """The received part's manifest, if it is this job's part of `rank` at `step`, in
-    the layout `rank` has, and its bytes match it; else CorruptCheckpoint.
+    the layout `rank` has (None: a part of a run at another world size, any layout),
+    and its bytes match it; else CorruptCheckpoint.
     `streamed`: the size and CRC-32C of data that went to a sink as it arrived."""
     try:
         manifest = json.loads(part.manifest)
         entries = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise files.CorruptCheckpoint(f"rank {rank} step {step}: unreadable manifest ({e})") from None
-    if not part_matches(manifest, rank, step, job_id, world_size, layout_tag):
+    if not (part_of(manifest, rank, step, job_id, world_size) if layout_tag is None
+            else part_matches(manifest, rank, step, job_id, world_size, layout_tag)):
         got = {k: manifest.get(k) for k in ("job_id", "rank", "step", "world_size")}
         want = {"job_id": job_id, "rank": rank, "step": step, "world_size": world_size}
         what = (f"manifest is for {got}, expected {want}" if got != want

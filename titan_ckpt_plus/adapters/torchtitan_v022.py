@@ -465,7 +465,7 @@ class TieredCheckpointManager(_StockManager):
                 raise RuntimeError(
                     "[titan_ckpt_plus] this job has checkpoints but none can be loaded here "
                     "(see the warnings above: a failed check, or local steps of another "
-                    "parallel layout, not whole on every node, with no PFS step to reshard from); "
+                    "parallel layout with a part held on no node, with no PFS step to reshard from); "
                     "refusing to load a "
                     "corrupt one or to silently start over. Fix: restart with the layout "
                     "they were saved with, or move "

@@ -504,18 +504,24 @@ class LocalTier:
         replicas by their old ranks, so the node's first rank removes the folder."""
         shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
-    def reshardable(self, steps) -> dict[int, int]:
-        """Of `steps` (other_layout_steps: this job's, saved under another layout),
-        those whose every part this folder holds (its node's and replicas) -> the world
-        size they were saved at: DCP can reshard them from here (tiers/reshard.py).
+    def other_layout_parts(self, steps) -> dict[int, tuple[int, list[int]]]:
+        """Of `steps` (other_layout_steps: this job's, saved under another layout), step
+        -> (the world size it was saved at, the ranks of that run whose parts this folder
+        holds: its node's and replicas). DCP reshards a step from a folder holding it
+        whole (tiers/reshard.py; recovery.reshard_plans fetches what one lacks).
         Checksums are checked when one is chosen."""
         out = {}
         for s in steps:
             was = self._commit_record(s).get("world_size")
-            if isinstance(was, int) and was > 0 and all(
-                    part_of(self.manifest(s, r), r, s, self.job_id, was) for r in range(was)):
-                out[s] = was
+            if isinstance(was, int) and was > 0:
+                out[s] = (was, [r for r in range(was) if part_of(self.manifest(s, r), r, s, self.job_id, was)])
         return out
+
+    def old_run_view(self, world_size: int) -> "LocalTier":
+        """This folder as a rank of the run that saved a step at `world_size` sees it,
+        to store a part of that run fetched at recovery (receive_replica) without
+        touching the step's commit record."""
+        return LocalTier(self.root, 0, world_size, False, self.keep_latest_k, self.job_id)
 
     def checked_part_files(self, step: int, rank: int, data: bool = True) -> tuple[bytes, int]:
         """(layout bytes, data bytes read) of a part, its layout checked against its
