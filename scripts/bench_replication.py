@@ -10,7 +10,8 @@
    debugmodel), recovering from own disk, from a neighbor, and from the PFS, with
    the bytes read from each tier; and with node 1 lost for good, restarted on node 0
    alone (2 ranks): from its own parts and node 1's replicas, resharded (local_reshard),
-   against the PFS step (local_reshard = false).
+   against the PFS step (local_reshard = false); and on 2 nodes x 1 rank, each node
+   folder holding its own parts only, so each fetches the other's before the reshard.
 
     .venv/bin/python scripts/bench_replication.py [--update BENCHMARKS.md]
 """
@@ -122,6 +123,16 @@ def transport(nbytes: int, folder: Path) -> dict:
 
 LOST = "node 0 alone, 2 ranks (node 1 lost), its parts and replicas resharded"
 LOST_PFS = "node 0 alone, 2 ranks (node 1 lost), local_reshard = false"
+SPREAD = "2 nodes x 1 rank, each node's own parts only: the other's fetched, resharded"
+
+
+def _drop_replicas(work: Path) -> None:
+    """Each node folder keeps its own ranks' parts only (node n: ranks 2n, 2n+1)."""
+    for node in ("0", "1"):
+        theirs = (2, 3) if node == "0" else (0, 1)
+        for r in theirs:
+            for part in (work / "local" / node).glob(f"job-*/step-*/rank-{r:05d}.*"):
+                part.unlink()
 
 
 def restarts(base: Path) -> list[dict]:
@@ -137,14 +148,16 @@ def restarts(base: Path) -> list[dict]:
     one_node = ("--checkpoint.replication_factor=0",)  # node 1 lost for good: no neighbor left
     for name, wipe, extra in (("own disk", [], None), ("neighbor", ["local/1"], None), ("PFS", ["local"], None),
                               (LOST, ["local/1"], one_node),
-                              (LOST_PFS, ["local/1"], (*one_node, "--checkpoint.no-local-reshard"))):
+                              (LOST_PFS, ["local/1"], (*one_node, "--checkpoint.no-local-reshard")),
+                              (SPREAD, _drop_replicas, None)):
         work = base / f"restart-{len(rows)}"
         shutil.copytree(killed, work)
-        for w in wipe:
-            shutil.rmtree(work / w)
+        for w in [wipe] if callable(wipe) else wipe:
+            w(work) if callable(w) else shutil.rmtree(work / w)
         t0 = time.time()
         args = (*common, f"--checkpoint.adopt_job={job_id}")
-        procs = (torchrun_nodes(work, *args, loss_log="run2.jsonl", timeout=900) if extra is None
+        nproc = 1 if name == SPREAD else 2
+        procs = (torchrun_nodes(work, *args, nproc=nproc, loss_log="run2.jsonl", timeout=900) if extra is None
                  else [torchrun(work, *args, *extra, loss_log="run2.jsonl", timeout=900)])
         assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:]
         rec = ckpt_events(work, "recovery")[-1]
@@ -178,8 +191,10 @@ def main() -> None:
         f"{piece_size(nbytes) >> 20} MiB), landing whole then written (the path before) "
         f"{t['held_whole'] / 2**20:.0f} MiB, for a part of {args.mib} MiB.", "",
         "Restart to first training step, 2 simulated nodes x 2 ranks, debugmodel, killed after "
-        "step 7 (local step 6 committed with replicas, PFS step 4); the last two rows restart on node 0 "
-        "alone at 2 ranks, with node 1's folder gone (a DP change: 4 ranks' parts resharded to 2):", "",
+        "step 7 (local step 6 committed with replicas, PFS step 4); two rows restart on node 0 "
+        "alone at 2 ranks, with node 1's folder gone (a DP change: 4 ranks' parts resharded to 2); the "
+        "last on 2 nodes x 1 rank, each node folder stripped of the other's replicas, so each fetches the "
+        "other node's parts before the reshard:", "",
         "| recovered from | tier | step | restart to first step | of which recovery | bytes local disk "
         "| bytes from peers | bytes PFS |", "|---|---|---|---|---|---|---|---|"]
     rows = [("replica transfer / raw gloo send/recv, same bytes", f"{t['raw'] / t['ours']:.2f} "

@@ -143,6 +143,7 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     ok(*torchrun_nodes(spread, *more, nproc=1, loss_log="run2.jsonl"))
     rec = _recovery(spread)
     assert (rec["tier"], rec["step"], rec["resharded_from"], rec["bytes_pfs"]) == ("local", 4, 4, 0)
+    assert rec["source"] == "local+peer (resharded from world size 4)"
     skipped = {(t, s): why for t, s, why in rec["skipped"]}
     assert "part of rank 1 from rank" in skipped[("local", 6)] and "crc32c" in skipped[("local", 6)]
     fetched = [*job_dir(killed).glob("step-6/rank-00000.*"), *job_dir(killed).glob("step-4/rank-0000[01].*")]

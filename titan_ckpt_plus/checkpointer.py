@@ -668,14 +668,15 @@ class TieredCheckpointer:
         """Collective: the parts of `step` this node folder lacks fetched (`plan`:
         recovery.reshard_plans), every part checked, then loaded by `load(reader)`; ""
         once done on every rank, else why not."""
-        why = agree(self._fetch_parts(step, world_size, plan, rec), self.commit_pg)
+        fetched, why = self._fetch_parts(step, world_size, plan, rec)
+        why = agree(why, self.commit_pg)
         reader = None
         if not why:
             try:
                 # the node's ranks check its parts' data once between them
                 node = self._node_ranks()
                 reader, nbytes = reshard.open_step(self.local, step, world_size,
-                                                   (node.index(self.s.rank), len(node)))
+                                                   (node.index(self.s.rank), len(node)), fetched)
                 rec.bytes_read["local"] += nbytes
             except Exception as e:
                 why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
@@ -697,12 +698,13 @@ class TieredCheckpointer:
                 rec.partly_loaded = step
         return f"{why} (resharding from world size {world_size})" if why else ""
 
-    def _fetch_parts(self, step: int, world_size: int, plan: list, rec: Recovery) -> str:
+    def _fetch_parts(self, step: int, world_size: int, plan: list, rec: Recovery) -> tuple[list[int], str]:
         """The parts of `step` (saved by `world_size` ranks) that this node folder lacks,
         sent by the node holding them and stored as replicas are: streamed to their
         files, checked on arrival. Every rank walks `plan` in the same order, so the
-        transfers pair up; "" or why not."""
-        me, why = self.s.rank, ""
+        transfers pair up. Returns the old ranks whose parts this rank received, and
+        "" or why not."""
+        me, why, fetched = self.s.rank, "", []
         wire, store = Wire(self.commit_pg), self.local.old_run_view(world_size)
         limit = shutil.disk_usage(self.local.root).free
         for holder, receiver, old in plan:
@@ -718,9 +720,10 @@ class TieredCheckpointer:
                         check_part(part, old, step, world_size, self.s.job_id, None, streamed=data)
                         sink.finish(part.manifest, part.layout)
                     rec.bytes_read["peer"] += len(part.manifest) + len(part.layout) + data["size"]
+                    fetched.append(old)
                 except Exception as e:  # the exchange is whole; the pairs stay in step
                     why = why or f"part of rank {old} from rank {holder}: {e}"
-        return why
+        return fetched, why
 
     # ---- background side ------------------------------------------------------
 

@@ -485,7 +485,7 @@ class TieredCheckpointManager(_StockManager):
         if rec.tier == "local" and total["peer"]:
             source = "local+peer"
         if rec.resharded_from:
-            source = f"local (resharded from world size {rec.resharded_from})"
+            source = f"{source} (resharded from world size {rec.resharded_from})"
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")

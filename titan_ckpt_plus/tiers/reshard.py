@@ -101,16 +101,19 @@ class LocalPartsReader(FileSystemReader):
         return super().read_data(dataclasses.replace(plan, items=tensors), planner)
 
 
-def open_step(local, step: int, world_size: int, share: tuple[int, int] = (0, 1)) -> tuple[LocalPartsReader, int]:
+def open_step(local, step: int, world_size: int, share: tuple[int, int] = (0, 1),
+              checked=()) -> tuple[LocalPartsReader, int]:
     """DCP's reader over `step` of `local` (a LocalTier), saved by `world_size` ranks,
     once every part's layout, and its share of their data files, pass their checksums;
     and the bytes read to check them. `share` (i, n): the ranks sharing a node folder
     check its data files once between them, this rank those of old ranks r % n == i
-    (the caller agrees on the outcome). Raises CorruptCheckpoint (or OSError) naming
-    the file that failed."""
+    (the caller agrees on the outcome); `checked`: old ranks whose data this rank just
+    checked on arrival (fetched). Raises CorruptCheckpoint (or OSError) naming the file
+    that failed."""
     layouts, nbytes = {}, 0
     for rank in range(world_size):
-        raw, size = local.checked_part_files(step, rank, data=rank % share[1] == share[0])
+        data = rank % share[1] == share[0] and rank not in checked
+        raw, size = local.checked_part_files(step, rank, data=data)
         layouts[rank] = staging.StateLayout.from_bytes(raw)
         nbytes += len(raw) + size
     metadata, blobs = step_metadata(layouts)
