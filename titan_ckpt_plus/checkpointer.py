@@ -659,7 +659,7 @@ class TieredCheckpointer:
         """A holder's side of a recovery transfer: `rank`'s part of `step` as stored (the
         receiver checks it), or word that there is none to send."""
         try:
-            out = Part(*self.local.read_raw(step, rank))
+            out = Part(*self.local.map_raw(step, rank))
         except OSError:
             out = None
         wire.exchange(receiver, out, None, limit)

@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import mmap
 import os
 import shutil
 import time
@@ -543,16 +544,29 @@ class LocalTier:
             return {}
         return rec if isinstance(rec, dict) else {}
 
+    def map_raw(self, step: int, rank: int | None = None):
+        """The part as stored, to send it (unverified: the receiver checks it): the
+        manifest and layout read, the data file mapped, so a holder sending a part holds
+        page cache, not a second copy of it in its own memory (a private mapping: the
+        Wire can alias it, nothing writes it)."""
+        manifest, layout = (self._read(step, suffix, rank) for suffix in ("json", "layout"))
+        with open(self._part(step, "data", rank), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
+        return manifest, layout, data
+
+    def _read(self, step: int, suffix: str, rank: int | None) -> bytes:
+        with open(self._part(step, suffix, rank), "rb") as f:
+            return f.read()
+
     def read_raw(self, step: int, rank: int | None = None):
-        """The part's three files as stored (manifest, layout, data), unverified."""
-        out = []
-        for suffix in ("json", "layout", "data"):
-            path = self._part(step, suffix, rank)
-            data = bytearray(os.path.getsize(path))
-            with open(path, "rb") as f:
-                f.readinto(data)
-            out.append(data)
-        return bytes(out[0]), bytes(out[1]), out[2]
+        """The part's three files as stored (manifest, layout, data), unverified; the
+        data in a new buffer (recovery loads it)."""
+        path = self._part(step, "data", rank)
+        data = bytearray(os.path.getsize(path))
+        with open(path, "rb") as f:
+            f.readinto(data)
+        return self._read(step, "json", rank), self._read(step, "layout", rank), data
 
     def read_part(self, step: int, rank: int | None = None) -> tuple[bytes, bytearray, int]:
         """(layout bytes, data, bytes read), both verified against the manifest."""
