@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from harness import ckpt_events, events, losses, ok, output, torchrun
+from harness import ckpt_events, copy_run, events, load_digests, losses, ok, output, torchrun
 from titan_ckpt_plus import digest
 from titan_ckpt_plus.cpu_fallback import fp32_args
 
@@ -46,6 +46,12 @@ VARIANTS = {
     # Parameters change during backward: the copy must finish inside save().
     "early_step_in_backward": (2, ("--optimizer.early_step_in_backward",), False),
 }
+
+
+# Restarted on 1 rank after the resumed run: the newest local step resharded (local_reshard)
+# loads the same state as the PFS step. PP: each stage's part holds other FQNs; FSDP + TP:
+# a column-wise weight is a _StridedShard on the DP dim.
+RESHARDED = ("pp2_1f1b", "fsdp2_tp2")
 
 
 def _recovered(work) -> dict:
@@ -85,10 +91,24 @@ def test_killed_at_step_6_resumes_from_local_step_4(name, tmp_path):
     after = _since_recovery(work)  # the resumed run drained its steps to the PFS, none failed
     assert [e["step"] for e in after if e["event"] == "pfs_commit"] == [8]
     assert not [e for e in after if e["event"] == "save_failed"]
+    if name in RESHARDED:
+        _one_rank_loads_local_resharded_as_the_pfs_step(work, tmp_path)
     if exact:
         ref = tmp_path / "reference"
         ok(torchrun(ref, *args, *STEPS, nproc=nproc))
         assert [losses(work, "run2.jsonl")[s] for s in range(5, 9)] == [losses(ref)[s] for s in range(5, 9)]
+
+
+def _one_rank_loads_local_resharded_as_the_pfs_step(work, tmp_path) -> None:
+    more = ("--checkpoint.exclude_from_loading", "dataloader", "--training.steps", "9")
+    local, pfs = copy_run(work, tmp_path / "local8"), copy_run(work, tmp_path / "pfs8")
+    ok(torchrun(local, *more, nproc=1, loss_log="run3.jsonl"))
+    ok(torchrun(pfs, *more, "--checkpoint.no-local-reshard", nproc=1, loss_log="run3.jsonl"))
+    a, b = _recovered(local), _recovered(pfs)
+    assert (a["tier"], a["step"], a["bytes_pfs"]) == ("local", 8, 0) and a["resharded_from"] > 1
+    assert (b["tier"], b["step"]) == ("pfs", 8)
+    assert load_digests(local, 8) == load_digests(pfs, 8) and len(load_digests(pfs, 8)) == 1
+    assert losses(local, "run3.jsonl") == losses(pfs, "run3.jsonl")
 
 
 LLAMA4 = ("--model.name", "llama4", "--model.flavor", "debugmodel")
