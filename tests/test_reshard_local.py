@@ -345,3 +345,30 @@ def test_a_2d_fsdp_tp_step_with_strided_shards_loads_resharded_at_world_size_1(t
     for k, want in saved["full"].items():
         assert torch.equal(state["model"][k], want), k
     assert state["train_state"]["step"] == STEP
+
+
+def test_a_step_fetched_into_a_new_node_folder_is_known_as_another_world_sizes(two_rank_step, tmp_path):
+    """Its parts fetched (here: copied) into a folder that had no commit record of it:
+    adopt_step records one, so retention removes it whole once the new run commits; an
+    existing record is left as it is."""
+    import json
+    import shutil
+
+    root = str(tmp_path / "job-J")
+    os.makedirs(os.path.join(root, f"step-{STEP}"))
+    for r in (0, 1):
+        for suffix in ("json", "layout", "data"):
+            name = f"rank-0000{r}.{suffix}"
+            shutil.copy(os.path.join(two_rank_step[0], f"step-{STEP}", name), os.path.join(root, f"step-{STEP}", name))
+    local = LocalTier(root, 0, 1, True, 2, job_id="J")
+    assert local.other_world_steps() == []
+    local.adopt_step(STEP, 2)
+    assert local.other_world_steps() == [STEP]
+    assert local.other_layout_parts([STEP]) == {STEP: (2, [0, 1])}
+    os.makedirs(local.step_dir(8))
+    local.commit(8, {"world_size": 1})
+    assert local.purge(set(), committed_now=8) == [STEP] and local.steps() == [8]
+    commit = os.path.join(two_rank_step[0], f"step-{STEP}", COMMIT)
+    before = open(commit).read()
+    LocalTier(two_rank_step[0], 0, 1, True, 2, job_id="J").adopt_step(STEP, 2)
+    assert open(commit).read() == before and json.loads(before)["world_size"] == 2

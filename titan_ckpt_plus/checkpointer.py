@@ -723,6 +723,8 @@ class TieredCheckpointer:
                     fetched.append(old)
                 except Exception as e:  # the exchange is whole; the pairs stay in step
                     why = why or f"part of rank {old} from rank {holder}: {e}"
+        if fetched and not why:
+            self.local.adopt_step(step, world_size)
         return fetched, why
 
     # ---- background side ------------------------------------------------------

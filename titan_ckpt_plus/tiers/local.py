@@ -518,6 +518,15 @@ class LocalTier:
                 out[s] = (was, [r for r in range(was) if part_of(self.manifest(s, r), r, s, self.job_id, was)])
         return out
 
+    def adopt_step(self, step: int, world_size: int) -> None:
+        """A step of the run at `world_size` whose parts were fetched into this folder,
+        which had not its commit record (a new node): one is written, so retention knows
+        it as a step of another world size and removes it whole (other_world_steps)."""
+        path = os.path.join(self.step_dir(step), COMMIT)
+        if not os.path.exists(path):
+            files.atomic_write_json(path, {"world_size": world_size, "job_id": self.job_id, "step": step,
+                                           "fetched_at": time.time()})
+
     def old_run_view(self, world_size: int) -> "LocalTier":
         """This folder as a rank of the run that saved a step at `world_size` sees it,
         to store a part of that run fetched at recovery (receive_replica) without
