@@ -149,4 +149,6 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     fetched = [*job_dir(killed).glob("step-6/rank-00000.*"), *job_dir(killed).glob("step-4/rank-0000[01].*")]
     assert rec["bytes_peer"] == sum(p.stat().st_size for p in fetched) and len(fetched) == 9
     assert load_digests(spread, 4) == load_digests(older, 4)
+    for node in ("0", "1"):  # the 4-rank steps, fetched into or not, went whole
+        assert sorted(p.name for p in job_dir(spread, node).glob("step-*")) == ["step-10", "step-12", "step-8"]
     assert losses(spread, "run2.jsonl") == losses(pfs, "run2.jsonl")

@@ -167,6 +167,8 @@ def test_a_step_is_a_reshard_candidate_where_every_part_is_held_on_some_node():
     assert recovery.reshard_plans(halves, nodes) == {6: (4, [(2, 0, 2), (2, 0, 3), (0, 2, 0), (0, 2, 1)])}
     fresh = [{6: (2, [0, 1])}] * 2 + [{}] * 2  # node 1's folder is new: it gets every part
     assert recovery.reshard_plans(fresh, nodes) == {6: (2, [(0, 2, 0), (0, 2, 1)])}
+    # node 1 holds step 6 in this layout (it saved it again): never overwritten by a fetch
+    assert recovery.reshard_plans(fresh, nodes, skip={6}) == {}
     assert recovery.reshard_plans([{6: (2, [0, 1])}] * 2 + [{6: (4, [0])}] * 2, nodes) == {}
     # newest first; at one step a local part of this layout, then a reshard, then the PFS
     assert recovery.ordered_candidates([{4: [0]}], [6, 4], {6: 2, 4: 2}) == [
@@ -220,12 +222,12 @@ def test_recovery_loads_it_and_skips_it_where_dcp_cannot_read_it(two_rank_step, 
         rec = ckpt.recover(unreadable)
         assert rec.tier is None and [(t, st) for t, st, _ in rec.skipped] == [("local", STEP)]
         assert "loading it resharded failed" in rec.skipped[0][2] and "world size 2" in rec.skipped[0][2]
+        assert rec.partly_loaded == -1  # it failed before writing into the state
 
         def refused(reader):
             raise ValueError("the dataloader refuses DP 2")
         with pytest.raises(ValueError, match="refuses"):
             ckpt.recover(refused)
-        assert rec.partly_loaded == -1  # it failed before writing into the state
 
         def torn_midway(reader):  # a data file cut short after its check: DCP fails midway
             os.truncate(os.path.join(root, f"step-{STEP}", "rank-00001.data"), 64)
@@ -347,28 +349,27 @@ def test_a_2d_fsdp_tp_step_with_strided_shards_loads_resharded_at_world_size_1(t
     assert state["train_state"]["step"] == STEP
 
 
-def test_a_step_fetched_into_a_new_node_folder_is_known_as_another_world_sizes(two_rank_step, tmp_path):
-    """Its parts fetched (here: copied) into a folder that had no commit record of it:
-    adopt_step records one, so retention removes it whole once the new run commits; an
-    existing record is left as it is."""
-    import json
+def test_a_step_fetched_into_is_removed_whole_as_another_layouts(two_rank_step, tmp_path):
+    """adopt_step, before parts are fetched into a folder: a new node's folder gets a
+    commit record of the old world size; any folder a marker, so retention removes the
+    step whole even at the old world size (a layout change) or after a failed fetch; an
+    existing commit record is left as it is."""
     import shutil
 
     root = str(tmp_path / "job-J")
-    os.makedirs(os.path.join(root, f"step-{STEP}"))
-    for r in (0, 1):
-        for suffix in ("json", "layout", "data"):
-            name = f"rank-0000{r}.{suffix}"
-            shutil.copy(os.path.join(two_rank_step[0], f"step-{STEP}", name), os.path.join(root, f"step-{STEP}", name))
     local = LocalTier(root, 0, 1, True, 2, job_id="J")
-    assert local.other_world_steps() == []
     local.adopt_step(STEP, 2)
+    shutil.copy(os.path.join(two_rank_step[0], f"step-{STEP}", "rank-00001.data"), local.step_dir(STEP))  # midway
     assert local.other_world_steps() == [STEP]
-    assert local.other_layout_parts([STEP]) == {STEP: (2, [0, 1])}
+    assert local.other_layout_parts([STEP]) == {STEP: (2, [])}
     os.makedirs(local.step_dir(8))
     local.commit(8, {"world_size": 1})
     assert local.purge(set(), committed_now=8) == [STEP] and local.steps() == [8]
-    commit = os.path.join(two_rank_step[0], f"step-{STEP}", COMMIT)
-    before = open(commit).read()
-    LocalTier(two_rank_step[0], 0, 1, True, 2, job_id="J").adopt_step(STEP, 2)
-    assert open(commit).read() == before and json.loads(before)["world_size"] == 2
+    same = str(tmp_path / "same" / "job-J")  # the old world size, another layout: the node's own commit kept
+    shutil.copytree(two_rank_step[0], same)
+    before = open(os.path.join(same, f"step-{STEP}", COMMIT)).read()
+    at2 = LocalTier(same, 0, 2, True, 2, job_id="J")
+    assert at2.other_world_steps() == []
+    at2.adopt_step(STEP, 2)
+    assert at2.other_world_steps() == [STEP]
+    assert open(os.path.join(same, f"step-{STEP}", COMMIT)).read() == before

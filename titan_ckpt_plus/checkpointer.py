@@ -593,7 +593,8 @@ class TieredCheckpointer:
         other = self.local.other_layout_steps(held)
         parts = self.local.other_layout_parts(other) if self.s.local_reshard and load_resharded else {}
         dist.all_gather_object(reports, (held, other, parts, self._node_ranks()[0]), group=self.commit_pg)
-        reshardable = recovery.reshard_plans([p for _, _, p, _ in reports], [n for *_, n in reports])
+        reshardable = recovery.reshard_plans([p for _, _, p, _ in reports], [n for *_, n in reports],
+                                             skip={s for held, *_ in reports for s in held})
         other = {s: why for _, o, _, _ in reports for s, why in o.items()}
         reports = [held for held, *_ in reports]
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
@@ -659,7 +660,7 @@ class TieredCheckpointer:
         """A holder's side of a recovery transfer: `rank`'s part of `step` as stored (the
         receiver checks it), or word that there is none to send."""
         try:
-            out = Part(*self.local.map_raw(step, rank))
+            out = Part(*self.local.read_raw(step, rank))
         except OSError:
             out = None
         wire.exchange(receiver, out, None, limit)
@@ -707,6 +708,11 @@ class TieredCheckpointer:
         me, why, fetched = self.s.rank, "", []
         wire, store = Wire(self.commit_pg), self.local.old_run_view(world_size)
         limit = shutil.disk_usage(self.local.root).free
+        if any(receiver == me for _, receiver, _ in plan):
+            try:
+                self.local.adopt_step(step, world_size)
+            except OSError as e:  # still walk the plan: the holders send regardless
+                why = f"marking step {step}'s folder: {e!r}"
         for holder, receiver, old in plan:
             if me == holder:
                 self._send_part(wire, step, old, receiver, limit)
@@ -723,8 +729,6 @@ class TieredCheckpointer:
                     fetched.append(old)
                 except Exception as e:  # the exchange is whole; the pairs stay in step
                     why = why or f"part of rank {old} from rank {holder}: {e}"
-        if fetched and not why:
-            self.local.adopt_step(step, world_size)
         return fetched, why
 
     # ---- background side ------------------------------------------------------

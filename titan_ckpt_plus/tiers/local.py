@@ -26,7 +26,6 @@ import contextlib
 import fcntl
 import json
 import logging
-import mmap
 import os
 import shutil
 import time
@@ -38,6 +37,7 @@ from titan_ckpt_plus.tiers import files
 log = logging.getLogger("titan_ckpt_plus")
 
 COMMIT = "COMMIT.json"
+FETCHED = "FETCHED.json"  # in a step folder parts of another layout were fetched into (adopt_step)
 JOB_PREFIX = "job-"
 JOB_RECORD = "JOB.json"
 LOCK = ".lock"
@@ -479,13 +479,15 @@ class LocalTier:
         return out
 
     def other_world_steps(self, steps: list[int] | None = None) -> list[int]:
-        """Of `steps` (all if None), the committed ones saved at another world size:
-        steps of this job before a DP change. They never count among the steps
-        retention keeps (their numbers may be ahead of this job's), and go whole."""
+        """Of `steps` (all if None), the committed ones saved at another world size, or
+        that parts of another layout were fetched into: steps of this job before a DP
+        or layout change. They never count among the steps retention keeps (their
+        numbers may be ahead of this job's), and go whole."""
         out = []
         for s in self.committed_steps(steps):
             was = self._commit_record(s).get("world_size")
-            if isinstance(was, int) and was != self.world_size:
+            if (isinstance(was, int) and was != self.world_size) or os.path.exists(
+                    os.path.join(self.step_dir(s), FETCHED)):
                 out.append(s)
         return out
 
@@ -519,9 +521,12 @@ class LocalTier:
         return out
 
     def adopt_step(self, step: int, world_size: int) -> None:
-        """A step of the run at `world_size` whose parts were fetched into this folder,
-        which had not its commit record (a new node): one is written, so retention knows
-        it as a step of another world size and removes it whole (other_world_steps)."""
+        """Before parts of the run at `world_size` are fetched into this folder's `step`:
+        a marker, so retention removes the step whole as a step of another layout, even
+        at this world size or if a fetch fails midway (other_world_steps); and a commit
+        record if the folder had none (a new node), with that world size."""
+        os.makedirs(self.step_dir(step), exist_ok=True)
+        files.atomic_write_json(os.path.join(self.step_dir(step), FETCHED), {"world_size": world_size})
         path = os.path.join(self.step_dir(step), COMMIT)
         if not os.path.exists(path):
             files.atomic_write_json(path, {"world_size": world_size, "job_id": self.job_id, "step": step,
@@ -552,17 +557,6 @@ class LocalTier:
         except (OSError, ValueError):
             return {}
         return rec if isinstance(rec, dict) else {}
-
-    def map_raw(self, step: int, rank: int | None = None):
-        """The part as stored, to send it (unverified: the receiver checks it): the
-        manifest and layout read, the data file mapped, so a holder sending a part holds
-        page cache, not a second copy of it in its own memory (a private mapping: the
-        Wire can alias it, nothing writes it)."""
-        manifest, layout = (self._read(step, suffix, rank) for suffix in ("json", "layout"))
-        with open(self._part(step, "data", rank), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else bytearray()
-        return manifest, layout, data
 
     def _read(self, step: int, suffix: str, rank: int | None) -> bytes:
         with open(self._part(step, suffix, rank), "rb") as f:
