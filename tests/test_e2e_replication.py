@@ -152,3 +152,29 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     for node in ("0", "1"):  # the 4-rank steps, fetched into or not, went whole
         assert sorted(p.name for p in job_dir(spread, node).glob("step-*")) == ["step-10", "step-12", "step-8"]
     assert losses(spread, "run2.jsonl") == losses(pfs, "run2.jsonl")
+
+
+def test_a_layout_change_on_both_nodes_fetches_each_others_parts_two_ranks_a_folder(killed, tmp_path):
+    """The 2 x 2 FSDP job back on its 2 nodes as FSDP 2 x TP 2 (another layout, the same world
+    size), each node folder holding only its own ranks' parts of step 4 (step 6 gone): each
+    node's first rank fetches the other node's 2 parts, both ranks of a node check the
+    folder's share and DCP reshards; the state and losses equal the PFS step 4's under
+    the same layout."""
+    more = ("--checkpoint.exclude_from_loading", "dataloader", "--parallelism.data_parallel_shard_degree", "2",
+            "--parallelism.tensor_parallel_degree", "2")
+    runs = {}
+    for name, keys in (("fetched", ()), ("pfs", ("--checkpoint.no-local-reshard",))):
+        work = runs[name] = copy_run(killed, tmp_path / name)
+        shutil.rmtree(work / "digests")  # the FSDP saves' per-rank digests: another layout's shards
+        for node, theirs in (("0", (2, 3)), ("1", (0, 1))):
+            shutil.rmtree(job_dir(work, node) / "step-6")
+            for r in theirs:
+                for part in job_dir(work, node).glob(f"step-*/rank-{r:05d}.*"):
+                    part.unlink()
+        ok(*torchrun_nodes(work, *REPL, *more, *keys, loss_log="run2.jsonl"))
+    a, b = _recovery(runs["fetched"]), _recovery(runs["pfs"])
+    assert (a["tier"], a["step"], a["resharded_from"], a["bytes_pfs"]) == ("local", 4, 4, 0)
+    assert a["bytes_peer"] == sum(p.stat().st_size for p in job_dir(killed).glob("step-4/rank-*"))
+    assert (b["tier"], b["step"]) == ("pfs", 4)
+    assert load_digests(runs["fetched"], 4) == load_digests(runs["pfs"], 4) and len(load_digests(runs["pfs"], 4)) == 4
+    assert losses(runs["fetched"], "run2.jsonl") == losses(runs["pfs"], "run2.jsonl")
