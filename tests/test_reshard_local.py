@@ -264,7 +264,7 @@ def test_retention_never_counts_steps_of_another_world_size_and_removes_them_who
     root = str(tmp_path / "job-J")
     _old_world_steps(root, (900, 950, 1000))
     local = LocalTier(root, 0, 2, True, 2, job_id="J")
-    assert local.other_world_steps() == [900, 950, 1000]
+    assert local.old_run_steps() == [900, 950, 1000]
     for step in (550, 600):
         os.makedirs(local.step_dir(step), exist_ok=True)
         local.commit(step, {"world_size": 2})
@@ -272,12 +272,12 @@ def test_retention_never_counts_steps_of_another_world_size_and_removes_them_who
     assert local.steps() == [550, 600]
 
 
-def test_a_restart_removes_the_other_world_steps_newer_than_the_step_it_resumed_from(tmp_path):
+def test_a_restart_removes_the_old_run_steps_newer_than_the_step_it_resumed_from(tmp_path):
     root = str(tmp_path / "job-J")
     _old_world_steps(root, (400, 950, 1000))
-    assert LocalTier(root, 1, 2, False, 2, job_id="J").drop_other_world_after(500) == []  # the first rank's
+    assert LocalTier(root, 1, 2, False, 2, job_id="J").drop_old_run_after(500) == []  # the first rank's
     local = LocalTier(root, 0, 2, True, 2, job_id="J")
-    assert local.drop_other_world_after(500) == [950, 1000]
+    assert local.drop_old_run_after(500) == [950, 1000]
     assert local.steps() == [400]  # older: a fallback until this job commits its own
 
 
@@ -360,7 +360,7 @@ def test_a_step_fetched_into_is_removed_whole_as_another_layouts(two_rank_step, 
     local = LocalTier(root, 0, 1, True, 2, job_id="J")
     local.adopt_step(STEP, 2)
     shutil.copy(os.path.join(two_rank_step[0], f"step-{STEP}", "rank-00001.data"), local.step_dir(STEP))  # midway
-    assert local.other_world_steps() == [STEP]
+    assert local.old_run_steps() == [STEP]
     assert local.other_layout_parts([STEP]) == {STEP: (2, [])}
     os.makedirs(local.step_dir(8))
     local.commit(8, {"world_size": 1})
@@ -369,7 +369,7 @@ def test_a_step_fetched_into_is_removed_whole_as_another_layouts(two_rank_step, 
     shutil.copytree(two_rank_step[0], same)
     before = open(os.path.join(same, f"step-{STEP}", COMMIT)).read()
     at2 = LocalTier(same, 0, 2, True, 2, job_id="J")
-    assert at2.other_world_steps() == []
+    assert at2.old_run_steps() == []
     at2.adopt_step(STEP, 2)
-    assert at2.other_world_steps() == [STEP]
+    assert at2.old_run_steps() == [STEP]
     assert open(os.path.join(same, f"step-{STEP}", COMMIT)).read() == before

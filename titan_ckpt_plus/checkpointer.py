@@ -325,10 +325,10 @@ class TieredCheckpointer:
 
     def resumed_at(self, step: int) -> None:
         self.schedule.start_at(step)
-        dropped = self.local.drop_other_world_after(step)
+        dropped = self.local.drop_old_run_after(step)
         if dropped:
-            log.info(f"[titan_ckpt_plus] removed local steps {dropped} of the job's run at another world "
-                     f"size: newer than step {step}, which it resumed from")
+            log.info(f"[titan_ckpt_plus] removed local steps {dropped} of the job's run before a DP or layout "
+                     f"change: newer than step {step}, which it resumed from")
 
     def save(self, step: int, last_step: bool = False) -> None:
         now = time.monotonic()
@@ -587,16 +587,15 @@ class TieredCheckpointer:
         error of the job's own state (a dataloader refusing another DP degree) is raised:
         the PFS step would meet it too."""
         rec = Recovery(None)
-        reports: list = [None] * self.s.world_size
-        tags = self.s.layout_tags
-        held = self.local.held_parts(tags)
+        gathered: list = [None] * self.s.world_size
+        held = self.local.held_parts(self.s.layout_tags)
         other = self.local.other_layout_steps(held)
         parts = self.local.other_layout_parts(other) if self.s.local_reshard and load_resharded else {}
-        dist.all_gather_object(reports, (held, other, parts, self._node_ranks()[0]), group=self.commit_pg)
-        reshardable = recovery.reshard_plans([p for _, _, p, _ in reports], [n for *_, n in reports],
-                                             skip={s for held, *_ in reports for s in held})
-        other = {s: why for _, o, _, _ in reports for s, why in o.items()}
-        reports = [held for held, *_ in reports]
+        dist.all_gather_object(gathered, (held, other, parts, self._node_ranks()[0]), group=self.commit_pg)
+        reports = [g[0] for g in gathered]
+        other = {s: why for g in gathered for s, why in g[1].items()}
+        reshardable = recovery.reshard_plans([g[2] for g in gathered], [g[3] for g in gathered],
+                                             skip={s for r in reports for s in r})
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
             rec.skipped.append(("local", step, other[step]))
         for step, ranks in recovery.missing_parts(reports).items():

@@ -40,19 +40,20 @@ def missing_parts(reports: list[dict]) -> dict[int, list[int]]:
     return out
 
 
-def reshard_plans(held: list[dict], nodes: list[int], skip=()) -> dict[int, tuple[int, list]]:
+def reshard_plans(parts: list[dict], nodes: list[int], skip=()) -> dict[int, tuple[int, list]]:
     """step -> (old world size, [(holder, receiver, old rank)]) for the steps of another
     world size whose every part some node folder holds: each node folder lacking a part
     gets it from the first node holding it (node first ranks send and receive), so every
-    folder holds the step whole and DCP reshards it from there. `held[r]`: step -> (old
-    world size, old ranks whose parts rank r's node folder holds); `nodes[r]`: the first
-    rank of r's node. A step the nodes saw at different world sizes is left out, and
-    so is one in `skip` (a node holds it in this layout: a fetch would overwrite it)."""
+    folder holds the step whole and DCP reshards it from there. `parts[r]`: step -> (old
+    world size, old ranks whose parts rank r's node folder holds: other_layout_parts);
+    `nodes[r]`: the first rank of r's node. A step the nodes saw at different world
+    sizes is left out, and so is one in `skip` (a node holds it in this layout: a fetch
+    would overwrite it)."""
     folders: dict[int, dict] = {}
-    for r, h in enumerate(held):
+    for r, h in enumerate(parts):
         folders.setdefault(nodes[r], h)
     out = {}
-    for step in set().union(*(set(h) for h in held)) - set(skip) if held else ():
+    for step in set().union(*(set(h) for h in parts)) - set(skip) if parts else ():
         worlds = {h[step][0] for h in folders.values() if step in h}
         if len(worlds) == 1:
             world = worlds.pop()

@@ -478,7 +478,7 @@ class LocalTier:
                       else "saved with another parallel layout") + " (only a PFS step reshards)"
         return out
 
-    def other_world_steps(self, steps: list[int] | None = None) -> list[int]:
+    def old_run_steps(self, steps: list[int] | None = None) -> list[int]:
         """Of `steps` (all if None), the committed ones saved at another world size, or
         that parts of another layout were fetched into: steps of this job before a DP
         or layout change. They never count among the steps retention keeps (their
@@ -491,20 +491,20 @@ class LocalTier:
                 out.append(s)
         return out
 
-    def drop_other_world_after(self, step: int) -> list[int]:
-        """After a restart at `step`: the node's first rank removes the steps of another
-        world size newer than it (a timeline the job left: it saves those numbers again).
+    def drop_old_run_after(self, step: int) -> list[int]:
+        """After a restart at `step`: the node's first rank removes the old run's steps
+        (old_run_steps) newer than it (a timeline the job left: it saves those numbers again).
         Before any save, so no rank writes in them. Returns the steps removed."""
         if not self.first_on_node:
             return []
-        gone = [s for s in self.other_world_steps() if s > step]
+        gone = [s for s in self.old_run_steps() if s > step]
         for s in gone:
             self._remove_whole(s)
         return gone
 
     def _remove_whole(self, step: int) -> None:
-        """A step of the job before a DP change: no rank of this run holds its parts and
-        replicas by their old ranks, so the node's first rank removes the folder."""
+        """A step of the job before a DP or layout change: no rank of this run holds its
+        parts and replicas by their old ranks, so the node's first rank removes the folder."""
         shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     def other_layout_parts(self, steps) -> dict[int, tuple[int, list[int]]]:
@@ -523,7 +523,7 @@ class LocalTier:
     def adopt_step(self, step: int, world_size: int) -> None:
         """Before parts of the run at `world_size` are fetched into this folder's `step`:
         a marker, so retention removes the step whole as a step of another layout, even
-        at this world size or if a fetch fails midway (other_world_steps); and a commit
+        at this world size or if a fetch fails midway (old_run_steps); and a commit
         record if the folder had none (a new node), with that world size."""
         os.makedirs(self.step_dir(step), exist_ok=True)
         files.atomic_write_json(os.path.join(self.step_dir(step), FETCHED), {"world_size": world_size})
@@ -629,14 +629,14 @@ class LocalTier:
         """Keep the newest `keep_latest_k` committed steps, anything newer than the
         newest commit (being written) and `protected` (being drained); delete the
         files this rank is responsible for (its own part, and the replicas it received
-        from `held` ranks) of every other step; steps saved at another world size
+        from `held` ranks) of every other step; the old run's steps (old_run_steps)
         never count as kept, and the node's first rank removes them whole once this
         run has a commit. Returns the steps touched.
         `committed_now`: the step all ranks just voted committed, which counts even
         before this node's first rank has written its COMMIT.json."""
         steps = self.steps()
-        other = set(self.other_world_steps(steps))  # before a DP change: gone once this job commits
-        committed = sorted(set(self.committed_steps(steps)) - set(other) | ({committed_now} - {None}))
+        other = set(self.old_run_steps(steps))  # before a DP or layout change: gone once this job commits
+        committed = sorted(set(self.committed_steps(steps)) - other | ({committed_now} - {None}))
         if not committed:
             return []
         keep = set(committed[-self.keep_latest_k:]) | protected
