@@ -10,8 +10,10 @@
    debugmodel), recovering from own disk, from a neighbor, and from the PFS, with
    the bytes read from each tier; and with node 1 lost for good, restarted on node 0
    alone (2 ranks): from its own parts and node 1's replicas, resharded (local_reshard),
-   against the PFS step (local_reshard = false); and on 2 nodes x 1 rank, each node
-   folder holding its own parts only, so each fetches the other's before the reshard.
+   against the PFS step (local_reshard = false); on 2 nodes x 1 rank, each node
+   folder holding its own parts only; and a 4-node job of 1 rank each restarted on 3
+   nodes (node 3 lost): a node fetches the layouts of the parts its folder lacks, and
+   the data of those its ranks read.
 
     .venv/bin/python scripts/bench_replication.py [--update BENCHMARKS.md]
 """
@@ -124,6 +126,7 @@ def transport(nbytes: int, folder: Path) -> dict:
 LOST = "node 0 alone, 2 ranks (node 1 lost), its parts and replicas resharded"
 LOST_PFS = "node 0 alone, 2 ranks (node 1 lost), local_reshard = false"
 SPREAD = "2 nodes x 1 rank, each node's own parts only: the other's fetched, resharded"
+LOST_OF_4 = "3 nodes x 1 rank (a 4-node job, node 3 lost): the parts each rank reads fetched, resharded"
 
 
 def _drop_replicas(work: Path) -> None:
@@ -161,11 +164,37 @@ def restarts(base: Path) -> list[dict]:
                  else [torchrun(work, *args, *extra, loss_log="run2.jsonl", timeout=900)])
         assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:]
         rec = ckpt_events(work, "recovery")[-1]
-        first = min(e["time"] for e in events(work / "run2.jsonl", "loss"))
-        rows.append({"source": name, "tier": rec.get("source", rec["tier"]), "step": rec["step"],
-                     "restart_to_first_step_s": first - t0, "recovery_s": rec["seconds"],
-                     "local": rec["bytes_local"], "peer": rec["bytes_peer"], "pfs": rec["bytes_pfs"]})
+        rows.append(_row(name, work, rec, t0))
     return rows
+
+
+def _row(name: str, work: Path, rec: dict, t0: float) -> dict:
+    first = min(e["time"] for e in events(work / "run2.jsonl", "loss"))
+    fetched = f"{len(rec.get('parts_fetched', []))} of {rec.get('parts_lacking', 0)}"
+    return {"source": name, "tier": rec.get("source", rec["tier"]), "step": rec["step"],
+            "restart_to_first_step_s": first - t0, "recovery_s": rec["seconds"], "fetched": fetched,
+            "local": rec["bytes_local"], "peer": rec["bytes_peer"], "pfs": rec["bytes_pfs"]}
+
+
+def lost_of_four(base: Path) -> dict:
+    """A 4-node job (1 rank each, replicas on the next node) killed after step 7, node 3
+    lost for good, restarted on 3 nodes: each node folder holds 2 of the 4 parts, and
+    lacks 2; a rank reads the 2 parts its new shard overlaps."""
+    common = ("--model.flavor=debugmodel", "--training.seq_len=64", "--checkpoint.replication_factor=1",
+              *fp32_args())
+    killed = base / "killed4"
+    procs = torchrun_nodes(killed, *common, nnodes=4, nproc=1, fault="kill_after_step@7:3",
+                           loss_log="run1.jsonl", timeout=900)
+    assert any(p.returncode for p in procs)
+    job_id = json.loads((killed / "dump" / "titan_ckpt_plus" / "job.json").read_text())["job_id"]
+    work = base / "restart-lost-of-4"
+    shutil.copytree(killed, work)
+    shutil.rmtree(work / "local" / "3")
+    t0 = time.time()
+    procs = torchrun_nodes(work, *common, f"--checkpoint.adopt_job={job_id}", nnodes=3, nproc=1,
+                           loss_log="run2.jsonl", timeout=900)
+    assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:]
+    return _row(LOST_OF_4, work, ckpt_events(work, "recovery")[-1], t0)
 
 
 def main() -> None:
@@ -192,21 +221,24 @@ def main() -> None:
         f"{t['held_whole'] / 2**20:.0f} MiB, for a part of {args.mib} MiB.", "",
         "Restart to first training step, 2 simulated nodes x 2 ranks, debugmodel, killed after "
         "step 7 (local step 6 committed with replicas, PFS step 4); two rows restart on node 0 "
-        "alone at 2 ranks, with node 1's folder gone (a DP change: 4 ranks' parts resharded to 2); the "
-        "last on 2 nodes x 1 rank, each node folder stripped of the other's replicas, so each fetches the "
-        "other node's parts before the reshard:", "",
-        "| recovered from | tier | step | restart to first step | of which recovery | bytes local disk "
-        "| bytes from peers | bytes PFS |", "|---|---|---|---|---|---|---|---|"]
+        "alone at 2 ranks, with node 1's folder gone (a DP change: 4 ranks' parts resharded to 2); one "
+        "on 2 nodes x 1 rank, each node folder stripped of the other's replicas (each fetches the other "
+        "node's layouts, and the data its rank reads); the last a 4-node job of 1 rank each with node 3 "
+        "lost, restarted on 3 nodes:", "",
+        "| recovered from | tier | step | restart to first step | of which recovery | resharded: parts whose data "
+        "moved / parts node folders lacked | bytes local disk | bytes from peers | bytes PFS |",
+        "|---|---|---|---|---|---|---|---|---|"]
     rows = [("replica transfer / raw gloo send/recv, same bytes", f"{t['raw'] / t['ours']:.2f} "
              f"({mbps(t['ours']):.0f} / {mbps(t['raw']):.0f} MiB/s)", ">= 0.70", t["raw"] / t["ours"] >= 0.7)]
-    for r in restarts(base / "restarts"):
+    for r in [*restarts(base / "restarts"), lost_of_four(base / "restarts")]:
         need_pfs = r["source"] in ("PFS", LOST_PFS)
         rows.append((f"restart to first step, from {r['source']}", f"{r['restart_to_first_step_s']:.1f} s "
                      f"(recovery {r['recovery_s']:.2f} s; PFS bytes {r['pfs']})",
                      "reported" if need_pfs else "0 bytes from the PFS",
                      None if need_pfs else r["pfs"] == 0))
         lines.append(f"| {r['source']} | {r['tier']} | {r['step']} | {r['restart_to_first_step_s']:.1f} s | "
-                     f"{r['recovery_s']:.2f} s | {r['local']} | {r['peer']} | {r['pfs']} |")
+                     f"{r['recovery_s']:.2f} s | {r['fetched'] if 'resharded' in r['tier'] else ''} | "
+                     f"{r['local']} | {r['peer']} | {r['pfs']} |")
     body = "\n".join(lines)
     print(body)
     record_targets("replication", rows)

@@ -134,8 +134,9 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     assert load_digests(older, 4) == load_digests(pfs, 4) and len(load_digests(pfs, 4)) == 2
     assert losses(older, "run2.jsonl") == losses(pfs, "run2.jsonl")
     # Back on two nodes of 1 rank, node 1's folder holding only its own parts (2, 3): it
-    # fetches those of ranks 0 and 1 from node 0. Step 6's rank 1 part fails its check
-    # on arrival, so step 6 is skipped and step 4 loads, fetched and resharded, as above.
+    # fetches the manifests and layouts of ranks 0 and 1 from node 0, to make DCP's
+    # metadata, but no data: new rank 1's shards are old ranks 2 and 3's. Step 6's rank 1
+    # part fails node 0's check, so step 6 is skipped and step 4 loads, resharded.
     spread = copy_run(killed, tmp_path / "spread")
     for part in job_dir(spread, "1").glob("step-*/rank-0000[01].*"):
         part.unlink()
@@ -145,9 +146,10 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     assert (rec["tier"], rec["step"], rec["resharded_from"], rec["bytes_pfs"]) == ("local", 4, 4, 0)
     assert rec["source"] == "local+peer (resharded from world size 4)"
     skipped = {(t, s): why for t, s, why in rec["skipped"]}
-    assert "part of rank 1 from rank" in skipped[("local", 6)] and "crc32c" in skipped[("local", 6)]
-    fetched = [*job_dir(killed).glob("step-6/rank-00000.*"), *job_dir(killed).glob("step-4/rank-0000[01].*")]
-    assert rec["bytes_peer"] == sum(p.stat().st_size for p in fetched) and len(fetched) == 9
+    assert "rank-00001.data" in skipped[("local", 6)] and "crc32c" in skipped[("local", 6)]
+    fetched = [p for s in (4, 6) for p in job_dir(killed).glob(f"step-{s}/rank-0000[01].*") if p.suffix != ".data"]
+    assert rec["bytes_peer"] == sum(p.stat().st_size for p in fetched) and len(fetched) == 8
+    assert rec["parts_fetched"] == []
     assert load_digests(spread, 4) == load_digests(older, 4)
     for node in ("0", "1"):  # the 4-rank steps, fetched into or not, went whole
         assert sorted(p.name for p in job_dir(spread, node).glob("step-*")) == ["step-10", "step-12", "step-8"]
@@ -157,9 +159,9 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
 def test_a_layout_change_on_both_nodes_fetches_each_others_parts_two_ranks_a_folder(killed, tmp_path):
     """The 2 x 2 FSDP job back on its 2 nodes as FSDP 2 x TP 2 (another layout, the same world
     size), each node folder holding only its own ranks' parts of step 4 (step 6 gone): each
-    node's first rank fetches the other node's 2 parts, both ranks of a node check the
-    folder's share and DCP reshards; the state and losses equal the PFS step 4's under
-    the same layout."""
+    node's first rank fetches the other node's 2 manifests and layouts, and the data of those
+    parts its ranks read (not all), both ranks of a node check the folder's share and DCP
+    reshards; the state and losses equal the PFS step 4's under the same layout."""
     more = ("--checkpoint.exclude_from_loading", "dataloader", "--parallelism.data_parallel_shard_degree", "2",
             "--parallelism.tensor_parallel_degree", "2")
     runs = {}
@@ -174,7 +176,14 @@ def test_a_layout_change_on_both_nodes_fetches_each_others_parts_two_ranks_a_fol
         ok(*torchrun_nodes(work, *REPL, *more, *keys, loss_log="run2.jsonl"))
     a, b = _recovery(runs["fetched"]), _recovery(runs["pfs"])
     assert (a["tier"], a["step"], a["resharded_from"], a["bytes_pfs"]) == ("local", 4, 4, 0)
-    assert a["bytes_peer"] == sum(p.stat().st_size for p in job_dir(killed).glob("step-4/rank-*"))
+    # every other node's manifest and layout; data only of the parts a node's ranks read
+    small = {r: sum(p.stat().st_size for p in job_dir(killed).glob(f"step-4/rank-{r:05d}.*") if p.suffix != ".data")
+             for r in range(4)}
+    data = {r: (job_dir(killed) / "step-4" / f"rank-{r:05d}.data").stat().st_size for r in range(4)}
+    moved = [tuple(x) for x in a["parts_fetched"]]
+    assert 0 < len(moved) < 4 and {node for node, _ in moved} == {0, 2}
+    assert all((node == 0) == (old >= 2) for node, old in moved)  # each node the other's
+    assert a["bytes_peer"] == sum(small.values()) + sum(small[old] + data[old] for _, old in moved)
     assert (b["tier"], b["step"]) == ("pfs", 4)
     assert load_digests(runs["fetched"], 4) == load_digests(runs["pfs"], 4) and len(load_digests(runs["pfs"], 4)) == 4
     assert losses(runs["fetched"], "run2.jsonl") == losses(runs["pfs"], "run2.jsonl")

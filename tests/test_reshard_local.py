@@ -110,7 +110,7 @@ def test_the_parts_metadata_is_dcps_own_for_the_same_state(two_rank_step):
 def test_a_world_size_1_job_loads_the_two_ranks_step_resharded(two_rank_step):
     root, _ = two_rank_step
     local = LocalTier(root, 0, 1, True, 3, job_id="J")
-    other = local.other_layout_steps(local.held_parts([{"world_size": 1}]))
+    other = local.other_layout_steps(local.held_parts([{"world_size": 1}]), [{"world_size": 1}])
     assert local.other_layout_parts(other) == {STEP: (2, [0, 1])}
     reader, checked = reshard.open_step(local, STEP, 2)
     sizes = [os.path.getsize(os.path.join(root, f"step-{STEP}", f"rank-0000{r}.{x}"))
@@ -154,6 +154,40 @@ def test_a_part_that_fails_its_checksum_or_lacks_its_offsets_is_never_loaded(two
     layout.chunks = None  # a part written before the offsets were recorded
     with pytest.raises(files.CorruptCheckpoint, match="no shard offsets"):
         reshard.step_metadata({0: layout})
+
+
+def _parts_read_as_rank_1_of_2(root: str, out: str) -> None:
+    """Rank 1 of a 2-rank job (a fake process group: its shards, no peer) asks which
+    old parts its load reads, the folder holding both parts or lacking rank 0's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        target = _state(init_device_mesh("cpu", (2,)), 1)
+        local = LocalTier(root, 1, 2, False, 3, job_id="J")
+        got = {str(lacking): sorted(reshard.open_step(local, STEP, 2, lacking=lacking)[0].parts_read(target))
+               for lacking in ((), (0,))}
+        got["refused"] = sorted(reshard.open_step(local, STEP, 2)[0].parts_read({"model": {"nope": 1}}))
+        with open(out, "wb") as f:
+            pickle.dump(got, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_reads_only_the_parts_its_shards_overlap_and_a_replicated_item_from_a_held_one(
+        two_rank_step, tmp_path):
+    """What a reshard fetches is what DCP's own load plan reads: rank 1 of 2 reads its
+    shards from part 1; the replicated bias (in both parts) from part 0 where the folder
+    holds it, from part 1 where it lacks part 0's data. A state the plan fails on reads
+    nothing here (dcp.load raises its error on every rank)."""
+    out = str(tmp_path / "read.pkl")
+    p = mp.get_context("spawn").Process(target=_parts_read_as_rank_1_of_2, args=(two_rank_step[0], out))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    with open(out, "rb") as f:
+        assert pickle.load(f) == {"()": [0, 1], "(0,)": [1], "refused": []}
 
 
 def test_a_step_is_a_reshard_candidate_where_every_part_is_held_on_some_node():
@@ -270,6 +304,58 @@ def test_retention_never_counts_steps_of_another_world_size_and_removes_them_who
         local.commit(step, {"world_size": 2})
         local.purge(set(), committed_now=step)
     assert local.steps() == [550, 600]
+
+
+def test_steps_of_another_layout_at_the_same_world_size_are_marked_the_old_runs_at_recovery(tmp_path):
+    """The 2-rank job back at 2 ranks under another sharding: its old steps 400 and 950
+    are found to be another layout's (their manifests' layout differs), marked, and take
+    none of retention's slots; a step whose parts fit but whose data is short is not
+    another layout's (it is this run's, with a bad part); back under the first layout
+    before any commit, the marks go."""
+    root = str(tmp_path / "job-J")
+    old = LocalTier(root, 0, 2, True, 2, job_id="J")
+    for s, tag in ((400, {"m": 1}), (950, {"m": 1}), (300, {"m": 2})):
+        os.makedirs(old.step_dir(s), exist_ok=True)
+        for r in (0, 1):
+            _write_part({"x": torch.ones(4)}, root, r, 2)
+            for suffix in ("json", "layout", "data"):
+                os.replace(old._part(STEP, suffix, r), old._part(s, suffix, r))
+            m = files.read_json(old._part(s, "json", r))
+            files.atomic_write_json(old._part(s, "json", r), dict(m, step=s, layout_tag=tag))
+        old.commit(s, {"world_size": 2})
+    for r in (0, 1):
+        os.truncate(old._part(300, "data", r), 8)
+    tags = [{"m": 2}, {"m": 2}]
+    held = old.held_parts(tags)
+    assert held == {}  # step 300's data is short: not held, nor another layout's
+    other = old.other_layout_steps(held, tags)
+    assert other == {400: "saved with another parallel layout", 950: "saved with another parallel layout"}
+    old.mark_old_layout(other, held)
+    assert old.old_run_steps() == [400, 950]
+    assert old.drop_old_run_after(500) == [950]
+    for step in (550, 600):
+        os.makedirs(old.step_dir(step), exist_ok=True)
+        old.commit(step, {"world_size": 2})
+        old.purge(set(), committed_now=step)
+    LocalTier(root, 1, 2, False, 2, job_id="J").purge(set(), committed_now=600)  # rank 1's part of 300
+    assert old.steps() == [550, 600]  # the old layout's step 400 took no slot and went whole
+    back = str(tmp_path / "back" / "job-J")
+    os.makedirs(os.path.dirname(back))
+    import shutil
+    shutil.copytree(root, back)
+    again = LocalTier(back, 0, 2, True, 2, job_id="J")
+    os.makedirs(again.step_dir(700))
+    for r in (0, 1):
+        _write_part({"x": torch.ones(4)}, back, r, 2)
+        for suffix in ("json", "layout", "data"):
+            os.replace(again._part(STEP, suffix, r), again._part(700, suffix, r))
+        m = files.read_json(again._part(700, "json", r))
+        files.atomic_write_json(again._part(700, "json", r), dict(m, step=700, layout_tag={"m": 1}))
+    again.commit(700, {"world_size": 2})
+    again.mark_old_layout({700: "saved with another parallel layout"}, {})
+    assert again.old_run_steps() == [700]
+    again.mark_old_layout({}, again.held_parts([{"m": 1}] * 2))  # the first layout again
+    assert again.old_run_steps() == []
 
 
 def test_a_restart_removes_the_old_run_steps_newer_than_the_step_it_resumed_from(tmp_path):

@@ -140,11 +140,11 @@ def test_local_tier_commit_verify_and_detect_flipped_byte(tmp_path):
     assert tier.held_parts([{"m": 1}]) == {}  # not committed yet
     tier.commit(5, {"world_size": 1})
     assert tier.held_parts([{"m": 1}]) == {5: [0]} and tier.held_parts([{"m": 2}]) == {}
-    assert tier.other_layout_steps(tier.held_parts([{"m": 1}])) == {}
-    assert "another parallel layout" in tier.other_layout_steps(tier.held_parts([{"m": 2}]))[5]
+    assert tier.other_layout_steps(tier.held_parts([{"m": 1}]), [{"m": 1}]) == {}
+    assert tier.other_layout_steps(tier.held_parts([{"m": 2}]), [{"m": 2}]) == {5: "saved with another parallel layout"}
     wider = LocalTier(str(tmp_path), rank=0, world_size=2, first_on_node=True, keep_latest_k=2, job_id="J")
-    assert wider.other_layout_steps(wider.held_parts([{"m": 1}] * 2)) == {
-        5: "saved at world size 1, now 2 (only a PFS step reshards)"}
+    assert wider.other_layout_steps(wider.held_parts([{"m": 1}] * 2), [{"m": 1}] * 2) == {
+        5: "saved at world size 1, now 2"}
     layout_bytes, data, n = tier.read_part(5)
     assert n == os.path.getsize(tier._part(5, "data")) + len(layout_bytes)
     path = tier._part(5, "data")

@@ -132,6 +132,8 @@ class Recovery:
     state: Any = None  # local: the saved state, tensors as views of the read buffer
     resharded_from: int = 0  # local, another layout's step (loaded in recover()): its world size
     partly_loaded: int = -1  # a resharded step whose failed load wrote some of the state
+    parts_fetched: list = field(default_factory=list)  # resharded: (node's first rank, old rank) whose data moved
+    parts_lacking: int = 0  # resharded: the parts node folders lacked (their layouts moved, their data if read)
     bytes_read: dict = field(default_factory=lambda: {"local": 0, "peer": 0, "pfs": 0})
     bytes_total: dict = field(default_factory=dict)  # summed over ranks
     skipped: list = field(default_factory=list)  # (tier, step, reason)
@@ -589,15 +591,21 @@ class TieredCheckpointer:
         rec = Recovery(None)
         gathered: list = [None] * self.s.world_size
         held = self.local.held_parts(self.s.layout_tags)
-        other = self.local.other_layout_steps(held)
+        other = self.local.other_layout_steps(held, self.s.layout_tags)
+        try:
+            self.local.mark_old_layout(other, held)
+        except OSError as e:  # retention then counts them as this run's: worth a line, not the job
+            log.warning(f"[titan_ckpt_plus] could not mark local steps {sorted(other)} as another layout's: {e!r}")
         parts = self.local.other_layout_parts(other) if self.s.local_reshard and load_resharded else {}
         dist.all_gather_object(gathered, (held, other, parts, self._node_ranks()[0]), group=self.commit_pg)
         reports = [g[0] for g in gathered]
         other = {s: why for g in gathered for s, why in g[1].items()}
         reshardable = recovery.reshard_plans([g[2] for g in gathered], [g[3] for g in gathered],
                                              skip={s for r in reports for s in r})
+        unless = ("not every part of it is held on a node" if self.s.local_reshard and load_resharded
+                  else "local_reshard = false")
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
-            rec.skipped.append(("local", step, other[step]))
+            rec.skipped.append(("local", step, f"{other[step]} ({unless}: only a PFS step reshards)"))
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         for tier, step in recovery.ordered_candidates(reports, self.pfs.steps(), reshardable):
@@ -618,6 +626,8 @@ class TieredCheckpointer:
                     rec.tier, rec.step = tier, step
                     break
             rec.skipped.append(("pfs" if tier == "pfs" else "local", step, why))
+        if not rec.resharded_from:
+            rec.parts_fetched, rec.parts_lacking = [], 0  # a resharded step's that was not loaded
         totals = torch.tensor([rec.bytes_read[k] for k in ("local", "peer")], dtype=torch.int64)
         dist.all_reduce(totals, group=self.commit_pg)
         rec.bytes_total = {"local": int(totals[0]), "peer": int(totals[1])}
@@ -655,28 +665,31 @@ class TieredCheckpointer:
     def _node_ranks(self) -> list[int]:
         return self.s.node_ranks if self.s.rank in self.s.node_ranks else [self.s.rank]
 
-    def _send_part(self, wire: Wire, step: int, rank: int, receiver: int, limit: int) -> None:
+    def _send_part(self, wire: Wire, step: int, rank: int, receiver: int, limit: int, data: bool = True) -> None:
         """A holder's side of a recovery transfer: `rank`'s part of `step` as stored (the
-        receiver checks it), or word that there is none to send."""
+        receiver checks it; without `data`, its manifest and layout alone), or word that
+        there is none to send."""
         try:
-            out = Part(*self.local.read_raw(step, rank))
+            out = Part(*self.local.read_raw(step, rank, data=data))
         except OSError:
             out = None
         wire.exchange(receiver, out, None, limit)
 
     def _load_resharded(self, step: int, world_size: int, plan: list, load, rec: Recovery) -> str:
-        """Collective: the parts of `step` this node folder lacks fetched (`plan`:
-        recovery.reshard_plans), every part checked, then loaded by `load(reader)`; ""
-        once done on every rank, else why not."""
-        fetched, why = self._fetch_parts(step, world_size, plan, rec)
-        why = agree(why, self.commit_pg)
-        reader = None
+        """Collective: the layouts of the parts this node folder lacks fetched (`plan`:
+        recovery.reshard_plans), the folder's own parts checked, then loaded by
+        `load(reader)`, whose reader.load fetches the lacking parts the node's ranks
+        read, and only those (_fetch_read); "" once done on every rank, else why not."""
+        why = agree(self._fetch_parts(step, world_size, plan, rec, data=False), self.commit_pg)
+        reader, rec.parts_fetched, rec.parts_lacking = None, [], len(plan)
         if not why:
             try:
                 # the node's ranks check its parts' data once between them
                 node = self._node_ranks()
+                lacking = [old for _, receiver, old in plan if receiver == node[0]]
                 reader, nbytes = reshard.open_step(self.local, step, world_size,
-                                                   (node.index(self.s.rank), len(node)), fetched)
+                                                   (node.index(self.s.rank), len(node)), lacking)
+                reader.fetch = lambda read: self._fetch_read(step, world_size, plan, read, rec)
                 rec.bytes_read["local"] += nbytes
             except Exception as e:
                 why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
@@ -698,13 +711,27 @@ class TieredCheckpointer:
                 rec.partly_loaded = step
         return f"{why} (resharding from world size {world_size})" if why else ""
 
-    def _fetch_parts(self, step: int, world_size: int, plan: list, rec: Recovery) -> tuple[list[int], str]:
-        """The parts of `step` (saved by `world_size` ranks) that this node folder lacks,
-        sent by the node holding them and stored as replicas are: streamed to their
-        files, checked on arrival. Every rank walks `plan` in the same order, so the
-        transfers pair up. Returns the old ranks whose parts this rank received, and
-        "" or why not."""
-        me, why, fetched = self.s.rank, "", []
+    def _fetch_read(self, step: int, world_size: int, plan: list, read: set[int], rec: Recovery) -> str:
+        """Collective, from reader.load once each rank knows which old ranks' parts its
+        load reads (`read`): of `plan`, the parts a node folder lacks and some rank of
+        the node reads, fetched whole by its first rank. A node that lost a neighbor
+        reads a few parts, not the whole step. "" or why not, the same on every rank."""
+        wanted: list = [None] * self.s.world_size
+        dist.all_gather_object(wanted, (self._node_ranks()[0], sorted(read)), group=self.commit_pg)
+        reads: dict[int, set] = {}
+        for node, olds in wanted:
+            reads.setdefault(node, set()).update(olds)
+        plan = [(holder, node, old) for holder, node, old in plan if old in reads.get(node, ())]
+        rec.parts_fetched = [(node, old) for _, node, old in plan]
+        return agree(self._fetch_parts(step, world_size, plan, rec), self.commit_pg)
+
+    def _fetch_parts(self, step: int, world_size: int, plan: list, rec: Recovery, data: bool = True) -> str:
+        """The parts of `step` (saved by `world_size` ranks) in `plan`, sent by the node
+        holding them and stored as replicas are: streamed to their files, checked on
+        arrival (without `data`: their manifests and layouts alone, which DCP's
+        metadata is made from). Every rank walks `plan` in the same order, so the
+        transfers pair up. Returns "" or why not."""
+        me, why = self.s.rank, ""
         wire, store = Wire(self.commit_pg), self.local.old_run_view(world_size)
         limit = shutil.disk_usage(self.local.root).free
         if any(receiver == me for _, receiver, _ in plan):
@@ -714,21 +741,20 @@ class TieredCheckpointer:
                 why = f"marking step {step}'s folder: {e!r}"
         for holder, receiver, old in plan:
             if me == holder:
-                self._send_part(wire, step, old, receiver, limit)
+                self._send_part(wire, step, old, receiver, limit, data)
             elif me == receiver:
                 try:
                     with store.receive_replica(step, old) as sink:
                         part, err = wire.exchange(None, None, holder, limit, sink=sink.write)
                         if part is None:
                             raise CorruptCheckpoint(err)
-                        data = sink.entry()
-                        check_part(part, old, step, world_size, self.s.job_id, None, streamed=data)
+                        got = sink.entry() if data else None
+                        check_part(part, old, step, world_size, self.s.job_id, None, streamed=got, data=data)
                         sink.finish(part.manifest, part.layout)
-                    rec.bytes_read["peer"] += len(part.manifest) + len(part.layout) + data["size"]
-                    fetched.append(old)
+                    rec.bytes_read["peer"] += len(part.manifest) + len(part.layout) + (got["size"] if data else 0)
                 except Exception as e:  # the exchange is whole; the pairs stay in step
                     why = why or f"part of rank {old} from rank {holder}: {e}"
-        return fetched, why
+        return why
 
     # ---- background side ------------------------------------------------------
 

@@ -43,8 +43,9 @@ def missing_parts(reports: list[dict]) -> dict[int, list[int]]:
 def reshard_plans(parts: list[dict], nodes: list[int], skip=()) -> dict[int, tuple[int, list]]:
     """step -> (old world size, [(holder, receiver, old rank)]) for the steps of another
     world size whose every part some node folder holds: each node folder lacking a part
-    gets it from the first node holding it (node first ranks send and receive), so every
-    folder holds the step whole and DCP reshards it from there. `parts[r]`: step -> (old
+    may get it from the first node holding it (node first ranks send and receive): its
+    manifest and layout, which DCP's metadata is made from, and its data where a rank of
+    the node reads it (checkpointer._fetch_read). `parts[r]`: step -> (old
     world size, old ranks whose parts rank r's node folder holds: other_layout_parts);
     `nodes[r]`: the first rank of r's node. A step the nodes saw at different world
     sizes is left out, and so is one in `skip` (a node holds it in this layout: a fetch

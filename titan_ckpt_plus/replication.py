@@ -155,11 +155,12 @@ def _pieces(n: int) -> list[tuple[int, int]]:
 
 
 def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,
-               layout_tag: dict | None, streamed: dict | None = None) -> dict:
+               layout_tag: dict | None, streamed: dict | None = None, data: bool = True) -> dict:
     """The received part's manifest, if it is this job's part of `rank` at `step`, in
     the layout `rank` has (None: a part of a run at another world size, any layout),
     and its bytes match it; else CorruptCheckpoint.
-    `streamed`: the size and CRC-32C of data that went to a sink as it arrived."""
+    `streamed`: the size and CRC-32C of data that went to a sink as it arrived.
+    Without `data`, the manifest and layout were sent alone."""
     try:
         manifest = json.loads(part.manifest)
         entries = manifest["files"]
@@ -173,8 +174,8 @@ def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,
                 else "manifest's layout differs from that rank's")
         raise files.CorruptCheckpoint(f"rank {rank} step {step}: {what}")
     files.check_bytes(f"rank {rank} step {step} layout", part.layout, entries["layout"])
-    if streamed is None:
+    if data and streamed is None:
         files.check_bytes(f"rank {rank} step {step} data", part.data, entries["data"])
-    else:
+    elif data:
         files.check_entry(f"rank {rank} step {step} data", streamed["size"], streamed[files.SUM], entries["data"])
     return manifest

@@ -486,6 +486,10 @@ class TieredCheckpointManager(_StockManager):
             source = "local+peer"
         if rec.resharded_from:
             source = f"{source} (resharded from world size {rec.resharded_from})"
+            if rec.parts_lacking:
+                logger.info(f"[titan_ckpt_plus] node folders lacked {rec.parts_lacking} parts of step {rec.step}: "
+                            f"their layouts were fetched, and the data of the {len(rec.parts_fetched)} a rank "
+                            f"there reads (node first rank, old rank: {rec.parts_fetched})")
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
@@ -498,7 +502,8 @@ class TieredCheckpointManager(_StockManager):
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
                            job_id=self.job.job_id,
                            bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
-                           resharded_from=rec.resharded_from,
+                           resharded_from=rec.resharded_from, parts_fetched=rec.parts_fetched,
+                           parts_lacking=rec.parts_lacking,
                            skipped=[list(x) for x in rec.skipped])
         return True
 

@@ -38,6 +38,7 @@ log = logging.getLogger("titan_ckpt_plus")
 
 COMMIT = "COMMIT.json"
 FETCHED = "FETCHED.json"  # in a step folder parts of another layout were fetched into (adopt_step)
+OLD_LAYOUT = "OLD_LAYOUT.json"  # in a step folder saved with another layout at this world size (mark_old_layout)
 JOB_PREFIX = "job-"
 JOB_RECORD = "JOB.json"
 LOCK = ".lock"
@@ -456,38 +457,56 @@ class LocalTier:
             for name in os.listdir(self.step_dir(s)):
                 if name.startswith("rank-") and name.endswith(".json") and name[5:-5].isdigit():
                     r = int(name[5:-5])
-                    if r < len(layout_tags) and part_matches(self.manifest(s, r), r, s, self.job_id,
-                                                              len(layout_tags), layout_tags[r]):
+                    if r < len(layout_tags) and self._whole(s, r, len(layout_tags), layout_tags[r]):
                         ranks.append(r)
             if ranks:
                 out[s] = sorted(ranks)
         return out
 
-    def other_layout_steps(self, held: dict[int, list[int]]) -> dict[int, str]:
-        """Committed steps of this job with no part that fits this layout (a changed
-        world size or sharding; `held` is held_parts() of this layout) -> why: never
-        loaded from here, but worth a line in the log, and a refusal if nothing else
-        can be loaded."""
+    def other_layout_steps(self, held: dict[int, list[int]], layout_tags: list[dict]) -> dict[int, str]:
+        """Committed steps of this job saved at another world size, or with a part of
+        another sharding, and no part that fits this layout (`held`: held_parts() of
+        `layout_tags`) -> why: not loaded as they are (a reshard may load them), but
+        worth a line in the log, and a refusal if nothing else can be loaded."""
         out = {}
         for s in self.committed_steps():
             commit = self._commit_record(s)
             if s in held or commit.get("job_id") != self.job_id:
                 continue
             was = commit.get("world_size")
-            out[s] = (f"saved at world size {was}, now {self.world_size}" if was != self.world_size
-                      else "saved with another parallel layout") + " (only a PFS step reshards)"
+            if was != self.world_size:
+                out[s] = f"saved at world size {was}, now {self.world_size}"
+            elif any(part_of(m := self.manifest(s, r), r, s, self.job_id, was)
+                     and not part_matches(m, r, s, self.job_id, was, layout_tags[r] if r < len(layout_tags) else None)
+                     for r in range(was)):
+                out[s] = "saved with another parallel layout"
         return out
 
+    def mark_old_layout(self, other: dict[int, str], held: dict[int, list[int]]) -> None:
+        """At recovery, by the node's first rank: a step saved with another parallel
+        layout at this world size (`other`: other_layout_steps) is marked as the old
+        run's (old_run_steps), so it takes none of the slots retention keeps for this
+        run's steps and goes whole; a marked step that fits this layout again (`held`:
+        the job went back to it before committing a step) is unmarked."""
+        if not self.first_on_node:
+            return
+        for s in other:
+            if self._commit_record(s).get("world_size") == self.world_size:
+                files.atomic_write_json(os.path.join(self.step_dir(s), OLD_LAYOUT), {"world_size": self.world_size})
+        for s in held:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.step_dir(s), OLD_LAYOUT))
+
     def old_run_steps(self, steps: list[int] | None = None) -> list[int]:
-        """Of `steps` (all if None), the committed ones saved at another world size, or
-        that parts of another layout were fetched into: steps of this job before a DP
-        or layout change. They never count among the steps retention keeps (their
+        """Of `steps` (all if None), the committed ones saved at another world size or
+        marked as of another layout (fetched into, or found at recovery): steps of this
+        job before a DP or layout change. They never count among the steps retention keeps (their
         numbers may be ahead of this job's), and go whole."""
         out = []
         for s in self.committed_steps(steps):
             was = self._commit_record(s).get("world_size")
-            if (isinstance(was, int) and was != self.world_size) or os.path.exists(
-                    os.path.join(self.step_dir(s), FETCHED)):
+            if (isinstance(was, int) and was != self.world_size) or any(
+                    os.path.exists(os.path.join(self.step_dir(s), m)) for m in (FETCHED, OLD_LAYOUT)):
                 out.append(s)
         return out
 
@@ -517,8 +536,21 @@ class LocalTier:
         for s in steps:
             was = self._commit_record(s).get("world_size")
             if isinstance(was, int) and was > 0:
-                out[s] = (was, [r for r in range(was) if part_of(self.manifest(s, r), r, s, self.job_id, was)])
+                out[s] = (was, [r for r in range(was) if self._whole(s, r, was)])
         return out
+
+    def _whole(self, step: int, rank: int, world_size: int, layout_tag: dict | None = None) -> bool:
+        """Whether the folder holds `rank`'s part of `step` (in `layout_tag`'s layout, if
+        given) with its data file at its size: a reshard fetches another node's
+        manifests and layouts alone, and the data only of the parts it reads."""
+        m = self.manifest(step, rank)
+        if not (part_of(m, rank, step, self.job_id, world_size) if layout_tag is None
+                else part_matches(m, rank, step, self.job_id, world_size, layout_tag)):
+            return False
+        try:
+            return os.path.getsize(self._part(step, "data", rank)) == m["files"]["data"]["size"]
+        except (OSError, KeyError, TypeError):
+            return False
 
     def adopt_step(self, step: int, world_size: int) -> None:
         """Before parts of the run at `world_size` are fetched into this folder's `step`:
@@ -562,14 +594,15 @@ class LocalTier:
         with open(self._part(step, suffix, rank), "rb") as f:
             return f.read()
 
-    def read_raw(self, step: int, rank: int | None = None):
+    def read_raw(self, step: int, rank: int | None = None, data: bool = True):
         """The part's three files as stored (manifest, layout, data), unverified; the
-        data in a new buffer (recovery loads it)."""
+        data in a new buffer (recovery loads it), or empty without `data`."""
         path = self._part(step, "data", rank)
-        data = bytearray(os.path.getsize(path))
-        with open(path, "rb") as f:
-            f.readinto(data)
-        return self._read(step, "json", rank), self._read(step, "layout", rank), data
+        out = bytearray(os.path.getsize(path) if data else 0)
+        if data:
+            with open(path, "rb") as f:
+                f.readinto(out)
+        return self._read(step, "json", rank), self._read(step, "layout", rank), out
 
     def read_part(self, step: int, rank: int | None = None) -> tuple[bytes, bytearray, int]:
         """(layout bytes, data, bytes read), both verified against the manifest."""

@@ -14,10 +14,14 @@ serialized as the drain serializes them for the PFS.
 
 import dataclasses
 import io
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
@@ -30,15 +34,16 @@ from titan_ckpt_plus.tiers.local import part_file
 from titan_ckpt_plus.tiers.pfs import SmallItems
 
 
-def step_metadata(layouts: dict) -> tuple[Metadata, dict[str, bytes]]:
+def step_metadata(layouts: dict, lacking=()) -> tuple[Metadata, dict[str, bytes]]:
     """(DCP's Metadata for a step's parts, the small items' bytes by item name).
     `layouts`: old rank -> its part's StateLayout (its data file is part_file(rank,
     "data") in the step folder). A chunk held by several parts (a replicated tensor)
-    is read from the lowest rank's, as are small items every rank has."""
+    is read from the lowest rank's whose data the folder does not lack, as are small
+    items every rank has: a node reads what it holds before it fetches anything."""
     tensors: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     values: dict = {}
-    for rank in sorted(layouts):
+    for rank in sorted(layouts, key=lambda r: (r in lacking, r)):
         layout = layouts[rank]
         if layout.chunks is None:
             raise CorruptCheckpoint(f"rank {rank}'s part records no shard offsets (written by an "
@@ -80,11 +85,34 @@ class LocalPartsReader(FileSystemReader):
         self.metadata, self.blobs = metadata, blobs
         self.bytes_read = 0
         self.wrote = False
+        # Collective, set by the engine where the folder lacks parts: fetch(old ranks
+        # this rank reads) brings those parts, returns "" or why not (every rank alike)
+        self.fetch: Callable[[set[int]], str] | None = None
 
     def load(self, state: dict) -> int:
-        """dcp.load into `state` in place, resharded to its layout; returns bytes read."""
+        """dcp.load into `state` in place, resharded to its layout; returns bytes read.
+        The parts it reads that the folder lacks are fetched first."""
+        if self.fetch is not None:
+            why = self.fetch(self.parts_read(state))
+            if why:  # as DCP reports a read that failed, on every rank alike
+                raise CheckpointException("fetch", {dist.get_rank(): (CorruptCheckpoint(why), None)})
         dcp.load(state, storage_reader=self)
         return self.bytes_read
+
+    def parts_read(self, state: dict) -> set[int]:
+        """The old ranks whose data files dcp.load(state) reads: DCP's own local plan
+        for the state, as dcp.load makes it. A state the plan fails on reads nothing
+        here: dcp.load then raises the same error on every rank."""
+        try:
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()},
+                                   self.metadata, False)
+            items = planner.create_local_plan().items
+        except Exception:
+            return set()
+        paths = {self.metadata.storage_data[i.storage_index].relative_path
+                 for i in items if i.type != LoadItemType.BYTE_IO}
+        return {int(p[5:-5]) for p in paths}  # part_file(rank, "data")
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self.metadata
@@ -102,19 +130,19 @@ class LocalPartsReader(FileSystemReader):
 
 
 def open_step(local, step: int, world_size: int, share: tuple[int, int] = (0, 1),
-              checked=()) -> tuple[LocalPartsReader, int]:
+              lacking=()) -> tuple[LocalPartsReader, int]:
     """DCP's reader over `step` of `local` (a LocalTier), saved by `world_size` ranks,
     once every part's layout, and its share of their data files, pass their checksums;
     and the bytes read to check them. `share` (i, n): the ranks sharing a node folder
     check its data files once between them, this rank those of old ranks r % n == i
-    (the caller agrees on the outcome); `checked`: old ranks whose data this rank just
-    checked on arrival (fetched). Raises CorruptCheckpoint (or OSError) naming the file
-    that failed."""
+    (the caller agrees on the outcome); `lacking`: old ranks whose layouts alone the
+    folder holds (their data is fetched where read, and checked on arrival). Raises
+    CorruptCheckpoint (or OSError) naming the file that failed."""
     layouts, nbytes = {}, 0
     for rank in range(world_size):
-        data = rank % share[1] == share[0] and rank not in checked
+        data = rank % share[1] == share[0] and rank not in lacking
         raw, size = local.checked_part_files(step, rank, data=data)
         layouts[rank] = staging.StateLayout.from_bytes(raw)
         nbytes += len(raw) + size
-    metadata, blobs = step_metadata(layouts)
+    metadata, blobs = step_metadata(layouts, lacking)
     return LocalPartsReader(local.step_dir(step), metadata, blobs), nbytes
