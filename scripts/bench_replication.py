@@ -125,7 +125,7 @@ def transport(nbytes: int, folder: Path) -> dict:
 
 LOST = "node 0 alone, 2 ranks (node 1 lost), its parts and replicas resharded"
 LOST_PFS = "node 0 alone, 2 ranks (node 1 lost), local_reshard = false"
-SPREAD = "2 nodes x 1 rank, each node's own parts only: the other's fetched, resharded"
+SPREAD = "2 nodes x 1 rank, each node's own parts only: the other's layouts fetched, resharded"
 LOST_OF_4 = "3 nodes x 1 rank (a 4-node job, node 3 lost): the parts each rank reads fetched, resharded"
 
 
