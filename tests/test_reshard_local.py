@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titan_ckpt_plus import recovery, staging
+from titan_ckpt_plus.inspect import verify_local_step
 from titan_ckpt_plus.tiers import files, reshard
 from titan_ckpt_plus.tiers.local import COMMIT, LocalTier
 
@@ -156,38 +157,57 @@ def test_a_part_that_fails_its_checksum_or_lacks_its_offsets_is_never_loaded(two
         reshard.step_metadata({0: layout})
 
 
-def _parts_read_as_rank_1_of_2(root: str, out: str) -> None:
-    """Rank 1 of a 2-rank job (a fake process group: its shards, no peer) asks which
-    old parts its load reads, the folder holding both parts or lacking rank 0's."""
+def _load_as_rank_1_of_2(root: str, out: str) -> None:
+    """Rank 1 of a 2-rank job (a fake process group: its shards, no peer; DCP without
+    collectives) loads the step, the folder holding both parts or lacking rank 0's
+    data: what its reads ask the fetch for, and what they load."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
     try:
-        target = _state(init_device_mesh("cpu", (2,)), 1)
-        local = LocalTier(root, 1, 2, False, 3, job_id="J")
-        got = {str(lacking): sorted(reshard.open_step(local, STEP, 2, lacking=lacking)[0].parts_read(target))
-               for lacking in ((), (0,))}
-        got["refused"] = sorted(reshard.open_step(local, STEP, 2)[0].parts_read({"model": {"nope": 1}}))
+        got = {}
+        for lacking in ((), (0,)):
+            target = _state(init_device_mesh("cpu", (2,)), 1)
+            for v in (target["model"]["w"], target["model"]["u"], target["optimizer"]["state"]["w"]["exp_avg"]):
+                v.to_local().zero_()
+            target["model"]["bias"] = torch.zeros_like(target["model"]["bias"])
+            reader, _ = reshard.open_step(LocalTier(root, 1, 2, False, 3, job_id="J"), STEP, 2, lacking=lacking)
+            asked = []
+            reader.fetch = lambda read: asked.append(sorted(read)) or ""
+            reader.load(target, no_dist=True)
+            full = _full()
+            got[str(lacking)] = {"asked": asked, "w": torch.equal(target["model"]["w"].to_local(), full["w"][3:]),
+                                 "u": torch.equal(target["model"]["u"].to_local(), full["u"][3:]),
+                                 "bias": torch.equal(target["model"]["bias"], full["bias"])}
+        reader, _ = reshard.open_step(LocalTier(root, 1, 2, False, 3, job_id="J"), STEP, 2, lacking=(0,))
+        reader.fetch = lambda read: "rank 0 had no part to send"
+        try:
+            reader.load(_state(init_device_mesh("cpu", (2,)), 1), no_dist=True)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            got["failed"] = (type(e).__name__, reader.wrote, "no part to send" in str(e))
         with open(out, "wb") as f:
             pickle.dump(got, f)
     finally:
         dist.destroy_process_group()
 
 
-def test_a_rank_reads_only_the_parts_its_shards_overlap_and_a_replicated_item_from_a_held_one(
+def test_a_rank_fetches_only_the_parts_its_shards_overlap_and_a_replicated_item_from_a_held_one(
         two_rank_step, tmp_path):
     """What a reshard fetches is what DCP's own load plan reads: rank 1 of 2 reads its
     shards from part 1; the replicated bias (in both parts) from part 0 where the folder
-    holds it, from part 1 where it lacks part 0's data. A state the plan fails on reads
-    nothing here (dcp.load raises its error on every rank)."""
+    holds it, from part 1 where it lacks part 0's data; a failed fetch fails the load
+    before anything is written into the state."""
     out = str(tmp_path / "read.pkl")
-    p = mp.get_context("spawn").Process(target=_parts_read_as_rank_1_of_2, args=(two_rank_step[0], out))
+    p = mp.get_context("spawn").Process(target=_load_as_rank_1_of_2, args=(two_rank_step[0], out))
     p.start()
     p.join(120)
     assert p.exitcode == 0
     with open(out, "rb") as f:
-        assert pickle.load(f) == {"()": [0, 1], "(0,)": [1], "refused": []}
+        got = pickle.load(f)
+    loaded = {"w": True, "u": True, "bias": True}
+    assert got["()"] == {"asked": [[0, 1]], **loaded} and got["(0,)"] == {"asked": [[1]], **loaded}
+    assert got["failed"] == ("CheckpointException", False, True)
 
 
 def test_a_step_is_a_reshard_candidate_where_every_part_is_held_on_some_node():
@@ -448,6 +468,11 @@ def test_a_step_fetched_into_is_removed_whole_as_another_layouts(two_rank_step, 
     shutil.copy(os.path.join(two_rank_step[0], f"step-{STEP}", "rank-00001.data"), local.step_dir(STEP))  # midway
     assert local.old_run_steps() == [STEP]
     assert local.other_layout_parts([STEP]) == {STEP: (2, [])}
+    for suffix in ("json", "layout"):  # rank 0's layout alone (a reshard's first fetch): held by no one
+        shutil.copy(os.path.join(two_rank_step[0], f"step-{STEP}", f"rank-00000.{suffix}"), local.step_dir(STEP))
+    assert local.other_layout_parts([STEP]) == {STEP: (2, [])}
+    checks = {os.path.basename(c.path): c.status for c in verify_local_step(local.step_dir(STEP))}
+    assert checks == {"rank-00000": "unverified", "rank-00001.json": "FAILED"}  # the data alone is torn
     os.makedirs(local.step_dir(8))
     local.commit(8, {"world_size": 1})
     assert local.purge(set(), committed_now=8) == [STEP] and local.steps() == [8]

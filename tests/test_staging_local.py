@@ -142,6 +142,7 @@ def test_local_tier_commit_verify_and_detect_flipped_byte(tmp_path):
     assert tier.held_parts([{"m": 1}]) == {5: [0]} and tier.held_parts([{"m": 2}]) == {}
     assert tier.other_layout_steps(tier.held_parts([{"m": 1}]), [{"m": 1}]) == {}
     assert tier.other_layout_steps(tier.held_parts([{"m": 2}]), [{"m": 2}]) == {5: "saved with another parallel layout"}
+    assert tier.other_layout_steps({}, []) == {}  # no layouts to tell by: no verdict
     wider = LocalTier(str(tmp_path), rank=0, world_size=2, first_on_node=True, keep_latest_k=2, job_id="J")
     assert wider.other_layout_steps(wider.held_parts([{"m": 1}] * 2), [{"m": 1}] * 2) == {
         5: "saved at world size 1, now 2"}

@@ -602,7 +602,7 @@ class TieredCheckpointer:
         other = {s: why for g in gathered for s, why in g[1].items()}
         reshardable = recovery.reshard_plans([g[2] for g in gathered], [g[3] for g in gathered],
                                              skip={s for r in reports for s in r})
-        unless = ("not every part of it is held on a node" if self.s.local_reshard and load_resharded
+        unless = ("some part of it is held on no node" if self.s.local_reshard and load_resharded
                   else "local_reshard = false")
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
             rec.skipped.append(("local", step, f"{other[step]} ({unless}: only a PFS step reshards)"))
@@ -678,8 +678,8 @@ class TieredCheckpointer:
     def _load_resharded(self, step: int, world_size: int, plan: list, load, rec: Recovery) -> str:
         """Collective: the layouts of the parts this node folder lacks fetched (`plan`:
         recovery.reshard_plans), the folder's own parts checked, then loaded by
-        `load(reader)`, whose reader.load fetches the lacking parts the node's ranks
-        read, and only those (_fetch_read); "" once done on every rank, else why not."""
+        `load(reader)`, whose reads fetch first the lacking parts the node's ranks read,
+        and only those (_fetch_read); "" once done on every rank, else why not."""
         why = agree(self._fetch_parts(step, world_size, plan, rec, data=False), self.commit_pg)
         reader, rec.parts_fetched, rec.parts_lacking = None, [], len(plan)
         if not why:
@@ -712,9 +712,9 @@ class TieredCheckpointer:
         return f"{why} (resharding from world size {world_size})" if why else ""
 
     def _fetch_read(self, step: int, world_size: int, plan: list, read: set[int], rec: Recovery) -> str:
-        """Collective, from reader.load once each rank knows which old ranks' parts its
-        load reads (`read`): of `plan`, the parts a node folder lacks and some rank of
-        the node reads, fetched whole by its first rank. A node that lost a neighbor
+        """Collective, from the reader's read_data once DCP has planned which old ranks'
+        parts each rank reads (`read`): of `plan`, the parts a node folder lacks and some
+        rank of the node reads, fetched whole by its first rank. A node that lost a neighbor
         reads a few parts, not the whole step. "" or why not, the same on every rank."""
         wanted: list = [None] * self.s.world_size
         dist.all_gather_object(wanted, (self._node_ranks()[0], sorted(read)), group=self.commit_pg)
@@ -731,13 +731,13 @@ class TieredCheckpointer:
         arrival (without `data`: their manifests and layouts alone, which DCP's
         metadata is made from). Every rank walks `plan` in the same order, so the
         transfers pair up. Returns "" or why not."""
-        me, why = self.s.rank, ""
+        me, why, limit = self.s.rank, "", 0
         wire, store = Wire(self.commit_pg), self.local.old_run_view(world_size)
-        limit = shutil.disk_usage(self.local.root).free
         if any(receiver == me for _, receiver, _ in plan):
             try:
+                limit = shutil.disk_usage(self.local.root).free
                 self.local.adopt_step(step, world_size)
-            except OSError as e:  # still walk the plan: the holders send regardless
+            except OSError as e:  # still walk the plan (refusing what comes): the holders send regardless
                 why = f"marking step {step}'s folder: {e!r}"
         for holder, receiver, old in plan:
             if me == holder:

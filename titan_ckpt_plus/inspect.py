@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from titan_ckpt_plus import identity
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.files import human_bytes
-from titan_ckpt_plus.tiers.local import COMMIT, JOB_PREFIX, JOB_RECORD, LOCK, NodeJob, node_jobs, tree_size
+from titan_ckpt_plus.tiers.local import COMMIT, FETCHED, JOB_PREFIX, JOB_RECORD, LOCK, NodeJob, node_jobs, tree_size
 from titan_ckpt_plus.tiers.pfs_folder import FULL_STATE, HF_INDEX, MANIFEST
 
 PFS_MANIFEST = MANIFEST  # {"step", "files": {name: {size, crc32c}}}
@@ -414,6 +414,7 @@ def verify_local_step(path: str) -> list[Check]:
     """Each rank part's files against its manifest; one Check per part (or per bad file)."""
     names = sorted(os.listdir(path))
     committed = COMMIT in names
+    fetched_into = FETCHED in names
     out: list[Check] = []
     if committed:
         try:
@@ -434,6 +435,10 @@ def verify_local_step(path: str) -> list[Check]:
             continue
         except (OSError, ValueError) as e:
             out.append(Check("FAILED", "local", base + ".json", f"unreadable manifest: {e}"))
+            continue
+        if fetched_into and not os.path.exists(base + ".data"):
+            out.append(Check("unverified", "local", base, "layout only: fetched for a reshard, its data "
+                             "read by no rank here (the step goes whole at the next commit)"))
             continue
         bad = []
         for kind in ("data", "layout"):

@@ -476,9 +476,9 @@ class LocalTier:
             was = commit.get("world_size")
             if was != self.world_size:
                 out[s] = f"saved at world size {was}, now {self.world_size}"
-            elif any(part_of(m := self.manifest(s, r), r, s, self.job_id, was)
-                     and not part_matches(m, r, s, self.job_id, was, layout_tags[r] if r < len(layout_tags) else None)
-                     for r in range(was)):
+            elif len(layout_tags) == was and any(
+                    part_of(m := self.manifest(s, r), r, s, self.job_id, was)
+                    and not part_matches(m, r, s, self.job_id, was, layout_tags[r]) for r in range(was)):
                 out[s] = "saved with another parallel layout"
         return out
 

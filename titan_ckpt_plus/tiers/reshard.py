@@ -17,11 +17,8 @@ import io
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
@@ -38,8 +35,9 @@ def step_metadata(layouts: dict, lacking=()) -> tuple[Metadata, dict[str, bytes]
     """(DCP's Metadata for a step's parts, the small items' bytes by item name).
     `layouts`: old rank -> its part's StateLayout (its data file is part_file(rank,
     "data") in the step folder). A chunk held by several parts (a replicated tensor)
-    is read from the lowest rank's whose data the folder does not lack, as are small
-    items every rank has: a node reads what it holds before it fetches anything."""
+    is read from the lowest rank's whose data the folder does not lack (a node reads
+    what it holds before it fetches anything); a small item every rank has, from the
+    lowest rank's layout, on every node alike."""
     tensors: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     values: dict = {}
@@ -52,7 +50,8 @@ def step_metadata(layouts: dict, lacking=()) -> tuple[Metadata, dict[str, bytes]
         index = {e.path: i for i, e in enumerate(layout.entries)}
         for fqn, value in flat.items():
             if not isinstance(value, torch.Tensor):
-                values.setdefault(fqn, value)
+                if fqn not in values or rank < values[fqn][0]:
+                    values[fqn] = (rank, value)
                 continue
             i = index[staging.entry_path(paths[fqn])]
             e = layout.entries[i]
@@ -69,7 +68,7 @@ def step_metadata(layouts: dict, lacking=()) -> tuple[Metadata, dict[str, bytes]
                 start, end = e.frame
                 storage[key] = _StorageInfo(part_file(rank, "data"), start, end - start)
     small = SmallItems()
-    blobs = {fqn: small.serialize(v) for fqn, v in values.items() if fqn not in tensors}
+    blobs = {fqn: small.serialize(v) for fqn, (_, v) in values.items() if fqn not in tensors}
     state = dict(tensors, **{fqn: BytesStorageMetadata() for fqn in blobs})
     return Metadata(state, storage_data=storage), blobs
 
@@ -89,36 +88,26 @@ class LocalPartsReader(FileSystemReader):
         # this rank reads) brings those parts, returns "" or why not (every rank alike)
         self.fetch: Callable[[set[int]], str] | None = None
 
-    def load(self, state: dict) -> int:
-        """dcp.load into `state` in place, resharded to its layout; returns bytes read.
-        The parts it reads that the folder lacks are fetched first."""
-        if self.fetch is not None:
-            why = self.fetch(self.parts_read(state))
-            if why:  # as DCP reports a read that failed, on every rank alike
-                raise CheckpointException("fetch", {dist.get_rank(): (CorruptCheckpoint(why), None)})
-        dcp.load(state, storage_reader=self)
+    def load(self, state: dict, **kwargs) -> int:
+        """dcp.load into `state` in place, resharded to its layout; returns bytes read."""
+        dcp.load(state, storage_reader=self, **kwargs)
         return self.bytes_read
-
-    def parts_read(self, state: dict) -> set[int]:
-        """The old ranks whose data files dcp.load(state) reads: DCP's own local plan
-        for the state, as dcp.load makes it. A state the plan fails on reads nothing
-        here: dcp.load then raises the same error on every rank."""
-        try:
-            planner = DefaultLoadPlanner()
-            planner.set_up_planner({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()},
-                                   self.metadata, False)
-            items = planner.create_local_plan().items
-        except Exception:
-            return set()
-        paths = {self.metadata.storage_data[i.storage_index].relative_path
-                 for i in items if i.type != LoadItemType.BYTE_IO}
-        return {int(p[5:-5]) for p in paths}  # part_file(rank, "data")
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         return self.metadata
 
     def read_data(self, plan, planner):
-        self.wrote = True  # planning wrote nothing; from here items land in the state
+        """The rank's reads, once the parts among them that the folder lacks are
+        fetched: DCP calls this on every rank once every rank's plan is made, so the
+        fetch (collective) runs everywhere or nowhere, from the plan DCP itself made."""
+        if self.fetch is not None:
+            paths = {self.storage_data[i.storage_index].relative_path
+                     for i in plan.items if i.type != LoadItemType.BYTE_IO}
+            why = self.fetch({int(p[5:-5]) for p in paths})  # part_file(rank, "data")
+            self.fetch = None  # a second load reads the same files
+            if why:  # DCP raises it on every rank, as any failed read
+                raise CorruptCheckpoint(why)
+        self.wrote = True  # planning and fetching wrote nothing; from here items land in the state
         tensors = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
