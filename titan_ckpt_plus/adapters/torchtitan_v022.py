@@ -487,9 +487,10 @@ class TieredCheckpointManager(_StockManager):
         if rec.resharded_from:
             source = f"{source} (resharded from world size {rec.resharded_from})"
             if rec.parts_lacking:
+                moved = ", ".join(f"old rank {old}'s to the node of rank {node}" for node, old in rec.parts_fetched)
                 logger.info(f"[titan_ckpt_plus] node folders lacked {rec.parts_lacking} parts of step {rec.step}: "
-                            f"their layouts were fetched, and the data of the {len(rec.parts_fetched)} a rank "
-                            f"there reads (node first rank, old rank: {rec.parts_fetched})")
+                            f"their layouts were fetched, and the data of {len(rec.parts_fetched)} of them, "
+                            f"read by a rank there ({moved or 'none'})")
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
