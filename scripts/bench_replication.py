@@ -123,10 +123,18 @@ def transport(nbytes: int, folder: Path) -> dict:
     return q.get()
 
 
+COMMON = ("--model.flavor=debugmodel", "--training.seq_len=64", "--checkpoint.replication_factor=1",
+          *fp32_args())
 LOST = "node 0 alone, 2 ranks (node 1 lost), its parts and replicas resharded"
 LOST_PFS = "node 0 alone, 2 ranks (node 1 lost), local_reshard = false"
 SPREAD = "2 nodes x 1 rank, each node's own parts only: the other's layouts fetched, resharded"
 LOST_OF_4 = "3 nodes x 1 rank (a 4-node job, node 3 lost): the parts each rank reads fetched, resharded"
+
+
+def _job_id(killed: Path) -> str:
+    """The killed job's id: each restart adopts it, as a user moving its folders would
+    (a moved dump folder is another job's otherwise, issue 12)."""
+    return json.loads((killed / "dump" / "titan_ckpt_plus" / "job.json").read_text())["job_id"]
 
 
 def _drop_replicas(work: Path) -> None:
@@ -139,14 +147,12 @@ def _drop_replicas(work: Path) -> None:
 
 
 def restarts(base: Path) -> list[dict]:
-    common = ("--model.flavor=debugmodel", "--training.seq_len=64", "--checkpoint.replication_factor=1",
-              *fp32_args())
     killed = base / "killed"
-    procs = torchrun_nodes(killed, *common, fault="kill_after_step@7:3", loss_log="run1.jsonl", timeout=900)
+    procs = torchrun_nodes(killed, *COMMON, fault="kill_after_step@7:3", loss_log="run1.jsonl", timeout=900)
     assert any(p.returncode for p in procs)
     # Each scenario restarts a copy of the killed job's folders: a moved dump folder is
     # another job's (issue 12) unless the restart adopts its identity, as a user would.
-    job_id = json.loads((killed / "dump" / "titan_ckpt_plus" / "job.json").read_text())["job_id"]
+    job_id = _job_id(killed)
     rows = []
     one_node = ("--checkpoint.replication_factor=0",)  # node 1 lost for good: no neighbor left
     for name, wipe, extra in (("own disk", [], None), ("neighbor", ["local/1"], None), ("PFS", ["local"], None),
@@ -158,7 +164,7 @@ def restarts(base: Path) -> list[dict]:
         for w in [wipe] if callable(wipe) else wipe:
             w(work) if callable(w) else shutil.rmtree(work / w)
         t0 = time.time()
-        args = (*common, f"--checkpoint.adopt_job={job_id}")
+        args = (*COMMON, f"--checkpoint.adopt_job={job_id}")
         nproc = 1 if name == SPREAD else 2
         procs = (torchrun_nodes(work, *args, nproc=nproc, loss_log="run2.jsonl", timeout=900) if extra is None
                  else [torchrun(work, *args, *extra, loss_log="run2.jsonl", timeout=900)])
@@ -180,18 +186,16 @@ def lost_of_four(base: Path) -> dict:
     """A 4-node job (1 rank each, replicas on the next node) killed after step 7, node 3
     lost for good, restarted on 3 nodes: each node folder holds 2 of the 4 parts, and
     lacks 2; a rank reads the 2 parts its new shard overlaps."""
-    common = ("--model.flavor=debugmodel", "--training.seq_len=64", "--checkpoint.replication_factor=1",
-              *fp32_args())
     killed = base / "killed4"
-    procs = torchrun_nodes(killed, *common, nnodes=4, nproc=1, fault="kill_after_step@7:3",
+    procs = torchrun_nodes(killed, *COMMON, nnodes=4, nproc=1, fault="kill_after_step@7:3",
                            loss_log="run1.jsonl", timeout=900)
     assert any(p.returncode for p in procs)
-    job_id = json.loads((killed / "dump" / "titan_ckpt_plus" / "job.json").read_text())["job_id"]
+    job_id = _job_id(killed)
     work = base / "restart-lost-of-4"
     shutil.copytree(killed, work)
     shutil.rmtree(work / "local" / "3")
     t0 = time.time()
-    procs = torchrun_nodes(work, *common, f"--checkpoint.adopt_job={job_id}", nnodes=3, nproc=1,
+    procs = torchrun_nodes(work, *COMMON, f"--checkpoint.adopt_job={job_id}", nnodes=3, nproc=1,
                            loss_log="run2.jsonl", timeout=900)
     assert all(p.returncode == 0 for p in procs), procs[0].stdout[-3000:]
     return _row(LOST_OF_4, work, ckpt_events(work, "recovery")[-1], t0)

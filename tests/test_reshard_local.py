@@ -326,6 +326,20 @@ def test_retention_never_counts_steps_of_another_world_size_and_removes_them_who
     assert local.steps() == [550, 600]
 
 
+def _tagged_step(root: str, step: int, tag: dict) -> LocalTier:
+    """A committed step of a 2-rank run whose parts record layout `tag`."""
+    local = LocalTier(root, 0, 2, True, 2, job_id="J")
+    os.makedirs(local.step_dir(step), exist_ok=True)
+    for r in (0, 1):
+        _write_part({"x": torch.ones(4)}, root, r, 2)
+        for suffix in ("json", "layout", "data"):
+            os.replace(local._part(STEP, suffix, r), local._part(step, suffix, r))
+        m = files.read_json(local._part(step, "json", r))
+        files.atomic_write_json(local._part(step, "json", r), dict(m, step=step, layout_tag=tag))
+    local.commit(step, {"world_size": 2})
+    return local
+
+
 def test_steps_of_another_layout_at_the_same_world_size_are_marked_the_old_runs_at_recovery(tmp_path):
     """The 2-rank job back at 2 ranks under another sharding: its old steps 400 and 950
     are found to be another layout's (their manifests' layout differs), marked, and take
@@ -333,16 +347,8 @@ def test_steps_of_another_layout_at_the_same_world_size_are_marked_the_old_runs_
     another layout's (it is this run's, with a bad part); back under the first layout
     before any commit, the marks go."""
     root = str(tmp_path / "job-J")
-    old = LocalTier(root, 0, 2, True, 2, job_id="J")
     for s, tag in ((400, {"m": 1}), (950, {"m": 1}), (300, {"m": 2})):
-        os.makedirs(old.step_dir(s), exist_ok=True)
-        for r in (0, 1):
-            _write_part({"x": torch.ones(4)}, root, r, 2)
-            for suffix in ("json", "layout", "data"):
-                os.replace(old._part(STEP, suffix, r), old._part(s, suffix, r))
-            m = files.read_json(old._part(s, "json", r))
-            files.atomic_write_json(old._part(s, "json", r), dict(m, step=s, layout_tag=tag))
-        old.commit(s, {"world_size": 2})
+        old = _tagged_step(root, s, tag)
     for r in (0, 1):
         os.truncate(old._part(300, "data", r), 8)
     tags = [{"m": 2}, {"m": 2}]
@@ -359,22 +365,13 @@ def test_steps_of_another_layout_at_the_same_world_size_are_marked_the_old_runs_
         old.purge(set(), committed_now=step)
     LocalTier(root, 1, 2, False, 2, job_id="J").purge(set(), committed_now=600)  # rank 1's part of 300
     assert old.steps() == [550, 600]  # the old layout's step 400 took no slot and went whole
-    back = str(tmp_path / "back" / "job-J")
-    os.makedirs(os.path.dirname(back))
-    import shutil
-    shutil.copytree(root, back)
-    again = LocalTier(back, 0, 2, True, 2, job_id="J")
-    os.makedirs(again.step_dir(700))
-    for r in (0, 1):
-        _write_part({"x": torch.ones(4)}, back, r, 2)
-        for suffix in ("json", "layout", "data"):
-            os.replace(again._part(STEP, suffix, r), again._part(700, suffix, r))
-        m = files.read_json(again._part(700, "json", r))
-        files.atomic_write_json(again._part(700, "json", r), dict(m, step=700, layout_tag={"m": 1}))
-    again.commit(700, {"world_size": 2})
-    again.mark_old_layout({700: "saved with another parallel layout"}, {})
+    again = _tagged_step(str(tmp_path / "back" / "job-J"), 700, {"m": 1})
+    held = again.held_parts(tags)
+    again.mark_old_layout(again.other_layout_steps(held, tags), held)
     assert again.old_run_steps() == [700]
-    again.mark_old_layout({}, again.held_parts([{"m": 1}] * 2))  # the first layout again
+    first = [{"m": 1}] * 2  # the first layout again
+    held = again.held_parts(first)
+    again.mark_old_layout(again.other_layout_steps(held, first), held)
     assert again.old_run_steps() == []
 
 

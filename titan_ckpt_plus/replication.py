@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from titan_ckpt_plus.tiers import files
-from titan_ckpt_plus.tiers.local import part_matches, part_of
+from titan_ckpt_plus.tiers.local import part_matches
 
 MAX_MANIFEST = 1 << 20
 
@@ -166,16 +166,17 @@ def check_part(part: Part, rank: int, step: int, world_size: int, job_id: str,
         entries = manifest["files"]
     except (ValueError, KeyError, TypeError) as e:
         raise files.CorruptCheckpoint(f"rank {rank} step {step}: unreadable manifest ({e})") from None
-    if not (part_of(manifest, rank, step, job_id, world_size) if layout_tag is None
-            else part_matches(manifest, rank, step, job_id, world_size, layout_tag)):
+    if not part_matches(manifest, rank, step, job_id, world_size, layout_tag):
         got = {k: manifest.get(k) for k in ("job_id", "rank", "step", "world_size")}
         want = {"job_id": job_id, "rank": rank, "step": step, "world_size": world_size}
         what = (f"manifest is for {got}, expected {want}" if got != want
                 else "manifest's layout differs from that rank's")
         raise files.CorruptCheckpoint(f"rank {rank} step {step}: {what}")
     files.check_bytes(f"rank {rank} step {step} layout", part.layout, entries["layout"])
-    if data and streamed is None:
+    if not data:
+        return manifest
+    if streamed is None:
         files.check_bytes(f"rank {rank} step {step} data", part.data, entries["data"])
-    elif data:
+    else:
         files.check_entry(f"rank {rank} step {step} data", streamed["size"], streamed[files.SUM], entries["data"])
     return manifest

@@ -51,10 +51,11 @@ def part_of(m: dict | None, rank: int, step: int, job_id: str, world_size: int) 
 
 
 def part_matches(m: dict | None, rank: int, step: int, job_id: str, world_size: int,
-                 layout_tag: dict) -> bool:
+                 layout_tag: dict | None) -> bool:
     """Whether a part's manifest is `rank`'s part of `step` of this job, in the
-    layout that rank has now."""
-    return part_of(m, rank, step, job_id, world_size) and m.get("layout_tag") == layout_tag
+    layout that rank has now (None: in any layout, as a run at another world size
+    saved it)."""
+    return part_of(m, rank, step, job_id, world_size) and layout_tag in (None, m.get("layout_tag"))
 
 
 def part_file(rank: int, suffix: str) -> str:
@@ -544,8 +545,7 @@ class LocalTier:
         given) with its data file at its size: a reshard fetches another node's
         manifests and layouts alone, and the data only of the parts it reads."""
         m = self.manifest(step, rank)
-        if not (part_of(m, rank, step, self.job_id, world_size) if layout_tag is None
-                else part_matches(m, rank, step, self.job_id, world_size, layout_tag)):
+        if not part_matches(m, rank, step, self.job_id, world_size, layout_tag):
             return False
         try:
             return os.path.getsize(self._part(step, "data", rank)) == m["files"]["data"]["size"]
