@@ -83,6 +83,32 @@ def test_sigkill_mid_training_resumes_bit_exact_from_newest_local_step(reference
     _same_losses_from(tmp_path, reference, 7, "run2.jsonl")
 
 
+def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(reference, tmp_path):
+    """torchtitan's load_step = 4 on a job that reached step 12: step 4 is loaded (from the
+    PFS, the tier holding it), the local steps after it are removed and the PFS ones set
+    aside. Killed after step 7, the job restarts from the new run's step 6, not from
+    the step 12 it left, and trains on bit exact: retention kept the new run's steps. A
+    load_step no tier holds stops the job before its first step, naming the steps there."""
+    work = copy_run(reference, tmp_path / "work")
+    proc = _killed(torchrun(work, "--checkpoint.load_step", "4", fault="kill_after_step@7:1", loss_log="run2.jsonl"))
+    rec = _recovery(work)
+    assert (rec["tier"], rec["step"], rec["load_step"], rec["bytes_local"]) == ("pfs", 4, 4, 0)
+    assert "moved PFS steps [8, 12]" in proc.stdout
+    aside = work / "dump" / "checkpoint" / "set_aside" / "after_step_4"
+    assert sorted(p.name for p in aside.iterdir()) == ["step-12", "step-8"]
+    assert sorted(p.parent.name for p in job_dir(work).glob("step-*/COMMIT.json")) == ["step-6"]
+    typo = torchrun(work, "--checkpoint.load_step", "5", loss_log="typo.jsonl")
+    assert typo.returncode != 0 and "Training starts" not in typo.stdout
+    assert "[checkpoint] load_step = 5: step 5 is held by neither the local tier nor the PFS. " \
+           "This job's steps: [4, 6]. Fix: set load_step to one of them" in typo.stdout
+    ok(torchrun(work, loss_log="run3.jsonl"))
+    rec = _recovery(work)
+    assert (rec["tier"], rec["step"], rec["bytes_pfs"], rec["load_step"]) == ("local", 6, 0, -1)
+    ran, ref = losses(work, "run2.jsonl"), losses(reference)
+    assert [ran[s] for s in (5, 6, 7)] == [ref[s] for s in (5, 6, 7)]
+    _same_losses_from(work, reference, 7, "run3.jsonl")
+
+
 @pytest.fixture(scope="module")
 def torn(tmp_path_factory) -> Path:
     """A run whose rank 1 is killed while writing local step 8, then restarted."""

@@ -496,6 +496,57 @@ def test_the_spares_stay_for_a_restart_and_go_once_the_last_step_is_saved(pg, tm
     assert ckpt.pfs.steps() == [4, 5] and not (tmp_path / "pfs" / ".spare").exists()
 
 
+def test_load_step_loads_that_step_from_the_tier_holding_it_and_the_steps_after_it_go(pg, tmp_path):
+    """torchtitan's load_step with the tiers on: step 5 from the local tier (stock torchtitan
+    would find no step-5 on the PFS), step 2 from the PFS, a step no tier holds refused with
+    the steps there are. After resuming at 4, the local steps after it are removed and the
+    PFS ones set aside: the new run's steps are kept by retention and loaded next."""
+    from titan_ckpt_plus.adapters.torchtitan_v022 import refuse_a_missing_load_step
+
+    state = {"model": {"w": torch.zeros(4096)}, "train_state": {"step": 0}}
+
+    def engine():
+        s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"),
+                         local_interval=1, pfs_interval=2, local_keep=3, pfs_keep=3, rank=0, world_size=1,
+                         first_on_node=True, job_id="J", layout_tags=[{"world_size": 1}])
+        return TieredCheckpointer(s, lambda: state, EventLog(None))
+
+    def run(ckpt, steps, tag):
+        for step in steps:
+            state["model"]["w"].fill_(step + tag)
+            state["train_state"]["step"] = step
+            ckpt.save(step)
+            ckpt.flush()
+
+    ckpt = engine()
+    run(ckpt, range(1, 7), 0)
+    ckpt.close()
+    ckpt = engine()
+    try:
+        assert (ckpt.local.committed_steps(), ckpt.pfs.steps()) == ([4, 5, 6], [2, 4, 6])
+        rec = ckpt.recover(only_step=5)
+        assert (rec.tier, rec.step, rec.state["model"]["w"][0].item()) == ("local", 5, 5.0)
+        assert (ckpt.recover(only_step=2).tier, ckpt.recover(only_step=-1).step) == ("pfs", 6)
+        rec = ckpt.recover(only_step=3)
+        assert (rec.tier, rec.skipped, rec.steps_found) == (None, [], [2, 4, 5, 6])
+        with pytest.raises(FileNotFoundError, match=r"load_step = 3: step 3 is held by neither .*\[2, 4, 5, 6\]"):
+            refuse_a_missing_load_step(3, rec)
+        ckpt.resumed_at(4)
+        assert (ckpt.local.steps(), ckpt.pfs.steps()) == ([4], [2, 4])
+        assert os.listdir(tmp_path / "pfs" / "set_aside" / "after_step_4") == ["step-6"]
+        run(ckpt, (5, 6, 7), 100)  # the new run, past the steps it left
+        assert (ckpt.local.committed_steps(), ckpt.pfs.steps()) == ([5, 6, 7], [2, 4, 6])
+    finally:
+        ckpt.close()
+    ckpt = engine()
+    try:
+        rec = ckpt.recover()
+        assert (rec.tier, rec.step, rec.state["model"]["w"][0].item()) == ("local", 7, 107.0)
+        assert ckpt.recover(only_step=6).state["model"]["w"][0].item() == 106.0
+    finally:
+        ckpt.close()
+
+
 def _gather_rank(rank: int, store_path: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:

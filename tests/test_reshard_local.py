@@ -358,7 +358,7 @@ def test_steps_of_another_layout_at_the_same_world_size_are_marked_the_old_runs_
     assert other == {400: "saved with another parallel layout", 950: "saved with another parallel layout"}
     old.mark_old_layout(other, held)
     assert old.old_run_steps() == [400, 950]
-    assert old.drop_old_run_after(500) == [950]
+    assert old.drop_after(500) == [950]
     for step in (550, 600):
         os.makedirs(old.step_dir(step), exist_ok=True)
         old.commit(step, {"world_size": 2})
@@ -375,13 +375,16 @@ def test_steps_of_another_layout_at_the_same_world_size_are_marked_the_old_runs_
     assert again.old_run_steps() == []
 
 
-def test_a_restart_removes_the_old_run_steps_newer_than_the_step_it_resumed_from(tmp_path):
+def test_a_restart_removes_the_steps_newer_than_the_step_it_resumed_from(tmp_path):
+    """The old run's steps after it, and this layout's too (load_step went back, or they
+    failed their checks): the new run saves those numbers again."""
     root = str(tmp_path / "job-J")
     _old_world_steps(root, (400, 950, 1000))
-    assert LocalTier(root, 1, 2, False, 2, job_id="J").drop_old_run_after(500) == []  # the first rank's
+    _old_world_steps(root, (300, 600), world=2)
+    assert LocalTier(root, 1, 2, False, 2, job_id="J").drop_after(500) == []  # the first rank's
     local = LocalTier(root, 0, 2, True, 2, job_id="J")
-    assert local.drop_old_run_after(500) == [950, 1000]
-    assert local.steps() == [400]  # older: a fallback until this job commits its own
+    assert local.drop_after(500) == [600, 950, 1000]
+    assert local.steps() == [300, 400]  # older: 400 a fallback until this job commits its own
 
 
 def test_a_partly_loaded_state_is_loaded_over_whole_or_refused():

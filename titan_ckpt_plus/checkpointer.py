@@ -137,6 +137,7 @@ class Recovery:
     bytes_read: dict = field(default_factory=lambda: {"local": 0, "peer": 0, "pfs": 0})
     bytes_total: dict = field(default_factory=dict)  # summed over ranks
     skipped: list = field(default_factory=list)  # (tier, step, reason)
+    steps_found: list = field(default_factory=list)  # every step of this job some tier holds
 
 
 class TieredCheckpointer:
@@ -326,11 +327,29 @@ class TieredCheckpointer:
     # ---- training-thread side -------------------------------------------------
 
     def resumed_at(self, step: int) -> None:
+        """Collective, before the first step: the steps newer than `step`, the timeline
+        the job left (steps that failed their checks, another layout's, all of them after
+        `load_step`), go: the local ones removed (LocalTier.drop_after), the PFS ones set
+        aside (PfsFolder.set_aside_after): none is loaded by a later restart in place of
+        the new run's steps, nor keeps retention's slots from them."""
         self.schedule.start_at(step)
-        dropped = self.local.drop_old_run_after(step)
+        dropped = self.local.drop_after(step)
         if dropped:
-            log.info(f"[titan_ckpt_plus] removed local steps {dropped} of the job's run before a DP or layout "
-                     f"change: newer than step {step}, which it resumed from")
+            log.info(f"[titan_ckpt_plus] removed local steps {dropped}: newer than step {step}, which the job "
+                     "resumed from (a timeline it left: it saves those numbers again)")
+        why = ""
+        try:
+            moved, dest = self.pfs.set_aside_after(step)
+            if moved:
+                log.warning(f"[titan_ckpt_plus] moved PFS steps {moved} to {dest}: newer than step {step}, which "
+                            "the job resumed from, so never loaded in place of its new steps; delete that "
+                            "folder once they are of no more use")
+        except OSError as e:
+            why = f"could not set aside the PFS steps newer than step {step}: {e!r}"
+        why = agree(why, self.commit_pg)
+        if why:  # a later restart would load them: refused, as a check that fails
+            raise RuntimeError(f"[titan_ckpt_plus] {why}. Fix: make {self.pfs.folder} writable, or move "
+                               f"its steps after step {step} out of it, and restart.")
 
     def save(self, step: int, last_step: bool = False) -> None:
         now = time.monotonic()
@@ -578,8 +597,9 @@ class TieredCheckpointer:
         if self._ended:
             self.pfs.release_spares()
 
-    def recover(self, load_resharded: Callable[[Any], int] | None = None) -> Recovery:
-        """Collective: agree on the newest checkpoint every rank can load, fetch
+    def recover(self, load_resharded: Callable[[Any], int] | None = None, only_step: int = -1) -> Recovery:
+        """Collective: agree on the newest checkpoint every rank can load (`only_step`, if
+        not -1: that step alone, from whichever tier holds it: torchtitan's load_step), fetch
         missing local parts from the nodes holding replicas, verify, and return it
         (a local state already read and checked, or a PFS step to dcp.load). A local
         step of another layout (local_reshard) is loaded here, by `load_resharded(reader)`
@@ -604,11 +624,20 @@ class TieredCheckpointer:
                                              skip={s for r in reports for s in r})
         unless = ("some part of it is held on no node" if self.s.local_reshard and load_resharded
                   else "local_reshard = false")
-        for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
-            rec.skipped.append(("local", step, f"{other[step]} ({unless}: only a PFS step reshards)"))
-        for step, ranks in recovery.missing_parts(reports).items():
-            rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
-        for tier, step in recovery.ordered_candidates(reports, self.pfs.steps(), reshardable):
+        pfs_steps = self.pfs.steps()
+        rec.steps_found = sorted({s for r in reports for s in r} | set(other) | set(pfs_steps))
+
+        def wanted(s: int) -> bool:
+            return only_step in (-1, s)
+        for s in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
+            if wanted(s):
+                rec.skipped.append(("local", s, f"{other[s]} ({unless}: only a PFS step reshards)"))
+        for s, ranks in recovery.missing_parts(reports).items():
+            if wanted(s):
+                rec.skipped.append(("local", s, f"no valid part of ranks {ranks[:8]} on any node"))
+        for tier, step in recovery.ordered_candidates(reports, pfs_steps, reshardable):
+            if not wanted(step):
+                continue
             if tier == "local":
                 state, why = self._fetch_local(step, recovery.pull_plan(reports, step), rec)
                 why = agree(why, self.commit_pg)

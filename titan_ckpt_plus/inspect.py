@@ -22,7 +22,7 @@ from titan_ckpt_plus import identity
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.tiers.files import human_bytes
 from titan_ckpt_plus.tiers.local import COMMIT, FETCHED, JOB_PREFIX, JOB_RECORD, LOCK, NodeJob, node_jobs, tree_size
-from titan_ckpt_plus.tiers.pfs_folder import FULL_STATE, HF_INDEX, MANIFEST
+from titan_ckpt_plus.tiers.pfs_folder import FULL_STATE, HF_INDEX, MANIFEST, SET_ASIDE
 
 PFS_MANIFEST = MANIFEST  # {"step", "files": {name: {size, crc32c}}}
 PFS_METADATA = ".metadata"
@@ -229,7 +229,7 @@ def list_steps(dump_folder: str, extra_roots: list[str] | None = None) -> tuple[
     if not pfs:
         notes.append(f"no PFS steps under {dump_folder}")
     for folder in pfs:
-        notes.append(f"PFS folder {folder}{_spares(folder)}")
+        notes.append(f"PFS folder {folder}{_spares(folder)}{_set_aside(folder)}")
         steps += [pfs_step(folder, s, d) for s, d in _step_dirs(folder)]
     return steps, notes
 
@@ -239,6 +239,19 @@ def _spares(folder: str) -> str:
     next drains write over (tiers/pfs.py, PfsTier._spare), removed at its end."""
     size, _ = tree_size(os.path.join(folder, files.SPARE))
     return f"; {human_bytes(size)} of retired data files in {files.SPARE}, for the next drains" if size else ""
+
+
+def _set_aside(folder: str) -> str:
+    """What a PFS folder's set_aside/ holds: steps a restart left (PfsFolder.set_aside_after),
+    never loaded nor deleted by the plugin."""
+    where = os.path.join(folder, SET_ASIDE)
+    size, _ = tree_size(where)
+    if not size:
+        return ""
+    left = {n: [s for s, _ in _step_dirs(os.path.join(where, n))] for n in sorted(os.listdir(where))}
+    said = ", ".join(f"{n}: steps {ss}" for n, ss in left.items())
+    return (f"; {human_bytes(size)} of steps a restart left in {SET_ASIDE} ({said}), "
+            "never loaded: delete them once of no more use")
 
 
 def human_age(seconds: float) -> str:

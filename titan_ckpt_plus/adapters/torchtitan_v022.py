@@ -453,14 +453,17 @@ class TieredCheckpointManager(_StockManager):
 
     @torch.no_grad()
     def load(self, step: int = -1) -> bool:
-        if self.tiered is None or step != -1:
+        if self.tiered is None or step == 0:  # step 0: the model-only seed checkpoint, as stock
             return super().load(step)
         t0 = time.monotonic()
-        rec = self.tiered.recover(lambda reader: reader.load(self._states_to_load(model_only=False)))
+        rec = self.tiered.recover(lambda reader: reader.load(self._states_to_load(model_only=False)),
+                                  only_step=step)  # load_step: from whichever tier holds it
         for tier, s, why in rec.skipped:
             logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
         if rec.tier is None:
             self._ledger_after_recovery(None, -1, time.monotonic() - t0)
+            if step != -1 and rec.steps_found:
+                refuse_a_missing_load_step(step, rec)
             if rec.skipped:  # this job has steps, and none fits: starting over would lose them
                 raise RuntimeError(
                     "[titan_ckpt_plus] this job has checkpoints but none can be loaded here "
@@ -501,7 +504,7 @@ class TieredCheckpointManager(_StockManager):
                                  dist.get_world_size())
         self._ledger_after_recovery(rec.tier, rec.step, seconds)
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
-                           job_id=self.job.job_id,
+                           job_id=self.job.job_id, load_step=step,
                            bytes_local=total["local"], bytes_peer=total["peer"], bytes_pfs=total["pfs"],
                            resharded_from=rec.resharded_from, parts_fetched=rec.parts_fetched,
                            parts_lacking=rec.parts_lacking,
@@ -527,6 +530,17 @@ class TieredCheckpointManager(_StockManager):
         if lock is not None:
             lock.release()
         super().close()
+
+
+def refuse_a_missing_load_step(step: int, rec) -> None:
+    """[checkpoint] load_step names a step no tier can load, while the job has others:
+    stock torchtitan refuses it too (FileNotFoundError), here with the steps there are."""
+    found = rec.steps_found[-12:]
+    what = ("failed its checks wherever it is held (see the warnings above)" if rec.skipped
+            else "is held by neither the local tier nor the PFS")
+    err = RuntimeError if rec.skipped else FileNotFoundError
+    raise err(f"[titan_ckpt_plus] [checkpoint] load_step = {step}: step {step} {what}. This job's steps: "
+              f"{found}. Fix: set load_step to one of them, or -1 for the newest that loads.")
 
 
 def refuse_a_partial_state(rec) -> None:

@@ -511,13 +511,16 @@ class LocalTier:
                 out.append(s)
         return out
 
-    def drop_old_run_after(self, step: int) -> list[int]:
-        """After a restart at `step`: the node's first rank removes the old run's steps
-        (old_run_steps) newer than it (a timeline the job left: it saves those numbers again).
-        Before any save, so no rank writes in them. Returns the steps removed."""
+    def drop_after(self, step: int) -> list[int]:
+        """After a restart at `step`: the node's first rank removes every step newer than
+        it, the timeline the job left (the job saves those numbers again): one that failed
+        its checks, one of another layout, or one after `load_step` = `step`. Kept, a
+        newer step would take retention's slots from the new run's and be loaded in
+        their place by the next restart. Before any save, so no rank writes in them.
+        Returns the steps removed."""
         if not self.first_on_node:
             return []
-        gone = [s for s in self.old_run_steps() if s > step]
+        gone = [s for s in self.steps() if s > step]
         for s in gone:
             self._remove_whole(s)
         return gone

@@ -8,6 +8,8 @@ deletes leave the training process.
     <folder>/full_state/step-N/                                     the last step's full
                                                                     state beside an export
     <folder>/.spare/<job id>/rank-R.distcp                          a purged step's data file
+    <folder>/set_aside/after_step_N/step-M/                         a step M > N the job
+                                                                    left when it resumed at N
 """
 
 import contextlib
@@ -19,6 +21,7 @@ from titan_ckpt_plus.tiers import files
 
 MANIFEST = "titan_ckpt_plus.json"
 FULL_STATE = "full_state"
+SET_ASIDE = "set_aside"  # no "step-" in the name: neither we nor stock torchtitan list it
 HF_INDEX = "model.safetensors.index.json"
 DCP_SUFFIX = ".distcp"  # torch.distributed.checkpoint.filesystem.DEFAULT_SUFFIX (a test holds them equal)
 _UNREAD = object()  # PfsFolder.is_export: the manifest is not read yet
@@ -141,6 +144,31 @@ class PfsFolder:
         for s in old:
             self._remove(self.step_dir(s))
         return old
+
+    def set_aside_after(self, step: int) -> tuple[list[int], str]:
+        """Rank 0, after a restart at `step`: this job's resumable steps newer than it, the
+        timeline the job left, move to set_aside/after_step_N/ (one rename each), so that
+        no later restart loads them in place of the new run's steps and retention keeps
+        the new run's, yet nothing is deleted. Exports stay: never loaded, and the new
+        run's last step writes over them. Returns the steps moved and where."""
+        if self.rank != 0:
+            return [], ""
+        newer = sorted(s for s, owner in self.owners().items() if s > step and owner in (None, self.job_id))
+        if not newer:
+            return [], ""
+        dest = os.path.join(self.folder, SET_ASIDE, f"after_step_{step}")
+        n = 1
+        while os.path.exists(dest):  # set aside after the same step before
+            dest, n = os.path.join(self.folder, SET_ASIDE, f"after_step_{step}.{n}"), n + 1
+        os.makedirs(dest)
+        left = {dest}
+        for s in newer:
+            src = self.step_dir(s)
+            os.rename(src, os.path.join(dest, f"step-{s}"))
+            left.add(os.path.dirname(src))
+        for d in left:  # the renames made durable: a crash must not bring a step back
+            files.fsync_dir(d)
+        return newer, dest
 
     def _remove(self, path: str) -> None:
         """A purged step: its .metadata first (the step is no longer complete, so never
