@@ -212,21 +212,38 @@ def test_a_rank_fetches_only_the_parts_its_shards_overlap_and_a_replicated_item_
 
 def test_a_step_is_a_reshard_candidate_where_every_part_is_held_on_some_node():
     """Ranks 0-1 on node 0, 2-3 on node 1 (first ranks 0 and 2); a folder lacking a part
-    gets it from the first node holding it; a part held nowhere, or two world sizes
-    for one step, leave the step out."""
+    gets it from a node holding it; a part held nowhere, or two world sizes for one
+    step, leave the step out."""
     nodes = [0, 0, 2, 2]
     whole = {6: (2, [0, 1])}
     assert recovery.reshard_plans([whole] * 4, nodes) == {6: (2, [])}
     halves = [{6: (4, [0, 1]), 4: (4, [0, 1, 2])}] * 2 + [{6: (4, [2, 3]), 4: (4, [0])}] * 2
-    assert recovery.reshard_plans(halves, nodes) == {6: (4, [(2, 0, 2), (2, 0, 3), (0, 2, 0), (0, 2, 1)])}
+    assert recovery.reshard_plans(halves, nodes) == {
+        6: (4, [((2,), 0, 2), ((2,), 0, 3), ((0,), 2, 0), ((0,), 2, 1)])}
     fresh = [{6: (2, [0, 1])}] * 2 + [{}] * 2  # node 1's folder is new: it gets every part
-    assert recovery.reshard_plans(fresh, nodes) == {6: (2, [(0, 2, 0), (0, 2, 1)])}
+    assert recovery.reshard_plans(fresh, nodes) == {6: (2, [((0,), 2, 0), ((0,), 2, 1)])}
     # node 1 holds step 6 in this layout (it saved it again): never overwritten by a fetch
     assert recovery.reshard_plans(fresh, nodes, skip={6}) == {}
     assert recovery.reshard_plans([{6: (2, [0, 1])}] * 2 + [{6: (4, [0])}] * 2, nodes) == {}
     # newest first; at one step a local part of this layout, then a reshard, then the PFS
     assert recovery.ordered_candidates([{4: [0]}], [6, 4], {6: 2, 4: 2}) == [
         ("reshard", 6), ("pfs", 6), ("local", 4), ("reshard", 4), ("pfs", 4)]
+
+
+def test_fetches_are_spread_over_the_holders_and_paired_in_rounds():
+    """A 4-node job (node k holds part k and a replica of part k - 1) back on 3 nodes:
+    each node lacks 2 parts. Taking each from its first holder, node 0 would send 3 of
+    the 6 one after another; spread, each node sends 2. Then the order every rank walks
+    puts a transfer between free nodes beside the one before it: node 2 need not wait
+    for node 0's send to node 1 before it gets part 7 from node 3."""
+    have = [{6: (4, [0, 3])}, {6: (4, [1, 0])}, {6: (4, [2, 1])}]
+    _, plan = recovery.reshard_plans(have, [0, 1, 2])[6]
+    assert plan == [((1, 2), 0, 1), ((2,), 0, 2), ((2,), 1, 2), ((0,), 1, 3), ((0, 1), 2, 0), ((0,), 2, 3)]
+    order = recovery.fetch_order(plan)
+    assert sorted(order, key=lambda m: m[1:]) == [(1, 0, 1), (2, 0, 2), (2, 1, 2), (0, 1, 3), (1, 2, 0), (0, 2, 3)]
+    assert sorted(h for h, _, _ in order) == [0, 0, 1, 1, 2, 2]  # node 0 sent 3 from the first holder
+    assert recovery.fetch_order([((0,), 1, 5), ((0,), 2, 6), ((3,), 2, 7)]) == [(0, 1, 5), (3, 2, 7), (0, 2, 6)]
+    assert recovery.fetch_order([]) == []
 
 
 def test_a_missing_part_or_another_jobs_is_not_counted_as_held(two_rank_step, tmp_path):

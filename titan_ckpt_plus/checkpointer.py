@@ -645,9 +645,10 @@ class TieredCheckpointer:
                     rec.tier, rec.step, rec.state = tier, step, state
                     break
             elif tier == "reshard":
-                why = self._load_resharded(step, *reshardable[step], load_resharded, rec)
+                why, fetched = self._load_resharded(step, *reshardable[step], load_resharded, rec)
                 if not why:
                     rec.tier, rec.step, rec.resharded_from = "local", step, reshardable[step][0]
+                    rec.parts_lacking, rec.parts_fetched = len(reshardable[step][1]), fetched
                     break
             else:
                 ok, why = self.pfs.verify(step, self.commit_pg)
@@ -655,8 +656,6 @@ class TieredCheckpointer:
                     rec.tier, rec.step = tier, step
                     break
             rec.skipped.append(("pfs" if tier == "pfs" else "local", step, why))
-        if not rec.resharded_from:
-            rec.parts_fetched, rec.parts_lacking = [], 0  # a resharded step's that was not loaded
         totals = torch.tensor([rec.bytes_read[k] for k in ("local", "peer")], dtype=torch.int64)
         dist.all_reduce(totals, group=self.commit_pg)
         rec.bytes_total = {"local": int(totals[0]), "peer": int(totals[1])}
@@ -704,13 +703,14 @@ class TieredCheckpointer:
             out = None
         wire.exchange(receiver, out, None, limit)
 
-    def _load_resharded(self, step: int, world_size: int, plan: list, load, rec: Recovery) -> str:
+    def _load_resharded(self, step: int, world_size: int, plan: list, load, rec: Recovery) -> tuple[str, list]:
         """Collective: the layouts of the parts this node folder lacks fetched (`plan`:
         recovery.reshard_plans), the folder's own parts checked, then loaded by
         `load(reader)`, whose reads fetch first the lacking parts the node's ranks read,
-        and only those (_fetch_read); "" once done on every rank, else why not."""
+        and only those (_fetch_read); ("" once done on every rank, else why not; the
+        parts whose data moved, (node's first rank, old rank))."""
         why = agree(self._fetch_parts(step, world_size, plan, rec, data=False), self.commit_pg)
-        reader, rec.parts_fetched, rec.parts_lacking = None, [], len(plan)
+        reader, fetched = None, []
         if not why:
             try:
                 # the node's ranks check its parts' data once between them
@@ -718,7 +718,7 @@ class TieredCheckpointer:
                 lacking = [old for _, receiver, old in plan if receiver == node[0]]
                 reader, nbytes = reshard.open_step(self.local, step, world_size,
                                                    (node.index(self.s.rank), len(node)), lacking)
-                reader.fetch = lambda read: self._fetch_read(step, world_size, plan, read, rec)
+                reader.fetch = lambda read: self._fetch_read(step, world_size, plan, read, rec, fetched)
                 rec.bytes_read["local"] += nbytes
             except Exception as e:
                 why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
@@ -738,28 +738,30 @@ class TieredCheckpointer:
                 raise RuntimeError(f"[titan_ckpt_plus] loading local step {step} resharded: {why}")
             if _WROTE in why:  # on every rank: only a whole state loaded over it may follow
                 rec.partly_loaded = step
-        return f"{why} (resharding from world size {world_size})" if why else ""
+        return (f"{why} (resharding from world size {world_size})" if why else "", fetched)
 
-    def _fetch_read(self, step: int, world_size: int, plan: list, read: set[int], rec: Recovery) -> str:
+    def _fetch_read(self, step: int, world_size: int, plan: list, read: set[int], rec: Recovery,
+                    fetched: list) -> str:
         """Collective, from the reader's read_data once DCP has planned which old ranks'
         parts each rank reads (`read`): of `plan`, the parts a node folder lacks and some
         rank of the node reads, fetched whole by its first rank. A node that lost a neighbor
-        reads a few parts, not the whole step. "" or why not, the same on every rank."""
+        reads a few parts, not the whole step; those go in `fetched`. "" or why not, the
+        same on every rank."""
         wanted: list = [None] * self.s.world_size
         dist.all_gather_object(wanted, (self._node_ranks()[0], sorted(read)), group=self.commit_pg)
         reads: dict[int, set] = {}
         for node, olds in wanted:
             reads.setdefault(node, set()).update(olds)
-        plan = [(holder, node, old) for holder, node, old in plan if old in reads.get(node, ())]
-        rec.parts_fetched = [(node, old) for _, node, old in plan]
+        plan = [(holders, node, old) for holders, node, old in plan if old in reads.get(node, ())]
+        fetched[:] = [(node, old) for _, node, old in plan]
         return agree(self._fetch_parts(step, world_size, plan, rec), self.commit_pg)
 
     def _fetch_parts(self, step: int, world_size: int, plan: list, rec: Recovery, data: bool = True) -> str:
-        """The parts of `step` (saved by `world_size` ranks) in `plan`, sent by the node
-        holding them and stored as replicas are: streamed to their files, checked on
+        """The parts of `step` (saved by `world_size` ranks) in `plan`, each sent by a
+        node holding it and stored as replicas are: streamed to their files, checked on
         arrival (without `data`: their manifests and layouts alone, which DCP's
-        metadata is made from). Every rank walks `plan` in the same order, so the
-        transfers pair up. Returns "" or why not."""
+        metadata is made from). Every rank walks recovery.fetch_order(plan), the same
+        list, so the transfers pair up. Returns "" or why not."""
         me, why, limit = self.s.rank, "", 0
         wire, store = Wire(self.commit_pg), self.local.old_run_view(world_size)
         if any(receiver == me for _, receiver, _ in plan):
@@ -768,7 +770,7 @@ class TieredCheckpointer:
                 self.local.adopt_step(step, world_size)
             except OSError as e:  # still walk the plan (refusing what comes): the holders send regardless
                 why = f"marking step {step}'s folder: {e!r}"
-        for holder, receiver, old in plan:
+        for holder, receiver, old in recovery.fetch_order(plan):
             if me == holder:
                 self._send_part(wire, step, old, receiver, limit, data)
             elif me == receiver:

@@ -7,8 +7,9 @@ from the first holder. Candidates are tried newest first, local before PFS at th
 same step (faster, and it never touches the PFS); one that fails its checks on any
 rank is skipped and the next is tried. A local step of another layout (a changed world
 size) is a candidate too, "reshard", where every part is held on some node (with
-[checkpoint] local_reshard): a node folder lacking some gets them from a holder, then DCP
-reshards the step from each folder (tiers/reshard.py).
+[checkpoint] local_reshard): a node folder lacking some gets them from a holder, spread
+over the holders and paired in rounds (fetch_order), then DCP reshards the step from each
+folder (tiers/reshard.py).
 """
 
 _ORDER = {"local": 2, "reshard": 1, "pfs": 0}  # at the same step
@@ -41,11 +42,11 @@ def missing_parts(reports: list[dict]) -> dict[int, list[int]]:
 
 
 def reshard_plans(parts: list[dict], nodes: list[int], skip=()) -> dict[int, tuple[int, list]]:
-    """step -> (old world size, [(holder, receiver, old rank)]) for the steps of another
+    """step -> (old world size, [(holders, receiver, old rank)]) for the steps of another
     world size whose every part some node folder holds: each node folder lacking a part
-    may get it from the first node holding it (node first ranks send and receive): its
-    manifest and layout, which DCP's metadata is made from, and its data where a rank of
-    the node reads it (checkpointer._fetch_read). `parts[r]`: step -> (old
+    may get it from a node holding it (node first ranks send and receive; fetch_order
+    picks which): its manifest and layout, which DCP's metadata is made from, and its
+    data where a rank of the node reads it (checkpointer._fetch_read). `parts[r]`: step -> (old
     world size, old ranks whose parts rank r's node folder holds: other_layout_parts);
     `nodes[r]`: the first rank of r's node. A step the nodes saw at different world
     sizes is left out, and so is one in `skip` (a node holds it in this layout: a fetch
@@ -65,16 +66,36 @@ def reshard_plans(parts: list[dict], nodes: list[int], skip=()) -> dict[int, tup
 
 
 def _fill(world: int, have: dict[int, set]) -> list | None:
-    """(holder, receiver, old rank) until every folder in `have` (node -> old ranks it
+    """(holders, receiver, old rank) until every folder in `have` (node -> old ranks it
     holds) holds all `world` parts; None if some part is held nowhere."""
     plan = []
     for n in sorted(have):
         for old in sorted(set(range(world)) - have[n]):
-            holders = [m for m in sorted(have) if old in have[m]]
+            holders = tuple(m for m in sorted(have) if old in have[m])
             if not holders:
                 return None
-            plan.append((holders[0], n, old))
+            plan.append((holders, n, old))
     return plan
+
+
+def fetch_order(plan: list) -> list[tuple[int, int, int]]:
+    """(holder, receiver, old rank) for each part of `plan` ((holders, receiver, old
+    rank)): each from the holder that sends the fewest so far, the parts with the fewest
+    holders placed first, so one node does not serve every other in turn where another
+    holds the part too; then in rounds in which no node sends or receives twice. Every
+    rank walks the list in this order, each transfer blocking its pair only, so a
+    round's pairs move their parts at once."""
+    sent: dict[int, int] = {}
+    rounds: list[tuple[set, list]] = []
+    for holders, receiver, old in sorted(plan, key=lambda p: (len(p[0]), p[1], p[2])):
+        holder = min(holders, key=lambda m: (sent.get(m, 0), m))
+        sent[holder] = sent.get(holder, 0) + 1
+        busy, moves = next((r for r in rounds if not r[0] & {holder, receiver}), (set(), []))
+        if not moves:
+            rounds.append((busy, moves))
+        busy.update((holder, receiver))
+        moves.append((holder, receiver, old))
+    return [move for _, moves in rounds for move in moves]
 
 
 def ordered_candidates(reports: list[dict], pfs_steps: list[int],
