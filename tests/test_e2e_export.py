@@ -86,3 +86,21 @@ def test_hf_export_is_written_where_stock_writes_it_and_loads_through_torchtitan
     assert losses(fresh)[1] != losses(plugin)[1]  # step 1 ran on the exported weights, not a fresh init
     ok(torchrun(tmp_path / "fresh_stock", "--checkpoint.initial_load_path", str(s_dir), *load))
     assert losses(fresh) == losses(tmp_path / "fresh_stock")  # the same weights as stock's export
+
+
+def test_a_seed_checkpoint_starts_the_job_from_the_model_alone_as_stock_does(tmp_path):
+    """torchtitan's create_seed_checkpoint (one rank, step 0), then the job on 2 ranks:
+    it loads step 0 as the model alone from the PFS, as stock torchtitan does, not the
+    seed run's whole state from its local tier (a one-rank job's dataloader and
+    optimizer); it trains as stock torchtitan's job from stock's seed checkpoint does."""
+    seed, job = ("--checkpoint.create_seed_checkpoint", *SAME_DATA), ("--training.steps", "4", *SAME_DATA)
+    stock, plugin = tmp_path / "stock", tmp_path / "plugin"
+    for work, keys in ((stock, STOCK), (plugin, ())):
+        ok(torchrun(work, *keys, *seed, nproc=1, loss_log="seed.jsonl"))
+    assert (plugin / "dump" / "checkpoint" / "full_state" / "step-0" / ".metadata").exists()
+    ok(torchrun(stock, *STOCK, *job))
+    proc = ok(torchrun(plugin, *job))
+    rec = ckpt_events(plugin, "recovery")[-1]
+    assert (rec["tier"], rec["step"], rec["bytes_local"], rec["skipped"]) == ("pfs", 0, 0, [])
+    assert "Traceback" not in proc.stdout and "Training starts at step 1" in proc.stdout
+    assert losses(plugin) == losses(stock) and len(losses(stock)) == 4

@@ -288,6 +288,9 @@ def test_recovery_order_newest_covered_local_first():
     assert recovery.ordered_candidates(reports, [10, 20]) == [
         ("pfs", 20), ("local", 10), ("pfs", 10), ("local", 5)]
     assert recovery.missing_parts(reports) == {15: [1]}
+    # step 0, a seed checkpoint: the model alone, from the PFS, as stock torchtitan loads it
+    seeded = [{0: [0], 5: [0]}, {0: [1], 5: [1]}]
+    assert recovery.ordered_candidates(seeded, [0], {0: 1}) == [("local", 5), ("pfs", 0)]
 
 
 def test_pull_plan_uses_replicas_on_other_nodes():

@@ -100,8 +100,11 @@ def fetch_order(plan: list) -> list[tuple[int, int, int]]:
 
 def ordered_candidates(reports: list[dict], pfs_steps: list[int],
                        reshard_steps=()) -> list[tuple[str, int]]:
+    """Step 0 is torchtitan's seed checkpoint (create_seed_checkpoint, one rank), which
+    stock torchtitan loads as the model alone: from the PFS only, never the seed run's
+    whole state from its local tier (its dataloader and optimizer are a one-rank job's)."""
     steps = set().union(*(set(rep) for rep in reports)) if reports else set()
-    local = [s for s in steps if pull_plan(reports, s) is not None]
-    cands = ([("local", s) for s in local] + [("reshard", s) for s in reshard_steps]
+    local = [s for s in steps if s != 0 and pull_plan(reports, s) is not None]
+    cands = ([("local", s) for s in local] + [("reshard", s) for s in reshard_steps if s != 0]
              + [("pfs", s) for s in pfs_steps])
     return sorted(cands, key=lambda c: (c[1], _ORDER[c[0]]), reverse=True)

@@ -475,9 +475,9 @@ class TieredCheckpointManager(_StockManager):
                     f"{self.folder} and the local folders aside to start from scratch.")
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
         refuse_a_partial_state(rec)
+        model_only = rec.tier == "pfs" and rec.step == 0  # a seed checkpoint, as stock loads it
         if rec.tier == "pfs":
-            states = self._states_to_load(model_only=rec.step == 0)
-            rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, states)
+            rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, self._states_to_load(model_only))
         elif not rec.resharded_from:  # a local step of another layout: loaded by recover()
             self._load_local(rec.state)
         pfs_total = torch.tensor([rec.bytes_read["pfs"]], dtype=torch.int64)
@@ -498,10 +498,12 @@ class TieredCheckpointManager(_StockManager):
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
         self.tiered.resumed_at(rec.step)
-        if self._digests.path:
-            loaded = self._states_to_load(model_only=False)
-            self._digests.record("load", rec.step, {k: v for k, v in self._state().items() if k in loaded},
-                                 dist.get_world_size())
+        if self._digests.path:  # the model alone after a model-only load: an optimizer's
+            # state_dict() before its first step would make its state (torch's
+            # _init_optim_state: a step at lr 0), one Adam step early
+            loaded = self._states_to_load(model_only)
+            state = loaded if model_only else {k: v for k, v in self._state().items() if k in loaded}
+            self._digests.record("load", rec.step, state, dist.get_world_size())
         self._ledger_after_recovery(rec.tier, rec.step, seconds)
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
                            job_id=self.job.job_id, load_step=step,
