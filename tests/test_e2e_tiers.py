@@ -88,8 +88,13 @@ def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(refere
     PFS, the tier holding it), the local steps after it are removed and the PFS ones set
     aside. Killed after step 7, the job restarts from the new run's step 6, not from
     the step 12 it left, and trains on bit exact: retention kept the new run's steps. A
-    load_step no tier holds stops the job before its first step, naming the steps there."""
+    load_step no tier holds stops the job before its first step, naming the steps there;
+    with load_only (a look at an old step) nothing is removed or moved."""
     work = copy_run(reference, tmp_path / "work")
+    look = ok(torchrun(work, "--checkpoint.load_step", "4", "--checkpoint.load_only", "--training.steps", "5",
+                       loss_log="look.jsonl"))  # torchtitan's load_only: a look at step 4 that changes nothing
+    assert "Training starts at step 5" in look.stdout and "moved PFS steps" not in look.stdout
+    assert sorted(p.parent.name for p in job_dir(work).glob("step-*/COMMIT.json")) == ["step-10", "step-12", "step-8"]
     proc = _killed(torchrun(work, "--checkpoint.load_step", "4", fault="kill_after_step@7:1", loss_log="run2.jsonl"))
     rec = _recovery(work)
     assert (rec["tier"], rec["step"], rec["load_step"], rec["bytes_local"]) == ("pfs", 4, 4, 0)

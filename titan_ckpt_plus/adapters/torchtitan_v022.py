@@ -497,7 +497,8 @@ class TieredCheckpointManager(_StockManager):
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
-        self.tiered.resumed_at(rec.step)
+        if not self.load_only:  # load_only saves nothing: no new timeline, nothing set aside
+            self.tiered.resumed_at(rec.step)
         if self._digests.path:  # the model alone after a model-only load: an optimizer's
             # state_dict() before its first step would make its state (torch's
             # _init_optim_state: a step at lr 0), one Adam step early
