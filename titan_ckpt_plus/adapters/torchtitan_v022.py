@@ -274,15 +274,17 @@ class TieredCheckpointManager(_StockManager):
             return OptimizerStateCache(opt.model_parts, opt.optimizers)
         return None
 
-    def _state(self) -> dict:
+    def _state(self, keys=None) -> dict:
         """The same state stock torchtitan hands to dcp.save, with every Stateful
-        resolved to its state_dict(), so DCP sees identical keys after the drain."""
+        resolved to its state_dict(), so DCP sees identical keys after the drain
+        (`keys`: those alone; an optimizer's state_dict() before its first step would
+        make its state, torch's _init_optim_state: a step at lr 0, one Adam step early)."""
         cached = self._optimizer_state
         # A tensor is tested first: isinstance against the Stateful protocol inspects the
         # object's attributes, a cost paid per parameter on the training thread.
         return {k: cached.state_dict() if cached is not None and k == tt_checkpoint.OPTIMIZER
                 else v if isinstance(v, torch.Tensor) or not isinstance(v, Stateful) else v.state_dict()
-                for k, v in self._flattened_model_states_sd().items()}
+                for k, v in self._flattened_model_states_sd().items() if keys is None or k in keys}
 
     def _capture(self) -> dict:
         """The state at this save point, for the tiers (and its digest: a test hook)."""
@@ -499,12 +501,9 @@ class TieredCheckpointManager(_StockManager):
                     f"from peers {total['peer']}, pfs {total['pfs']})")
         if not self.load_only:  # load_only saves nothing: no new timeline, nothing set aside
             self.tiered.resumed_at(rec.step)
-        if self._digests.path:  # the model alone after a model-only load: an optimizer's
-            # state_dict() before its first step would make its state (torch's
-            # _init_optim_state: a step at lr 0), one Adam step early
-            loaded = self._states_to_load(model_only)
-            state = loaded if model_only else {k: v for k, v in self._state().items() if k in loaded}
-            self._digests.record("load", rec.step, state, dist.get_world_size())
+        if self._digests.path:  # what the load wrote alone (after a model-only one, no optimizer)
+            self._digests.record("load", rec.step, self._state(self._states_to_load(model_only)),
+                                 dist.get_world_size())
         self._ledger_after_recovery(rec.tier, rec.step, seconds)
         self.events.record("recovery", step=rec.step, tier=rec.tier, source=source, seconds=seconds,
                            job_id=self.job.job_id, load_step=step,
