@@ -92,7 +92,7 @@ def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(refere
     with load_only (a look at an old step) nothing is removed or moved."""
     work = copy_run(reference, tmp_path / "work")
     look = ok(torchrun(work, "--checkpoint.load_step", "4", "--checkpoint.load_only", "--training.steps", "5",
-                       loss_log="look.jsonl"))  # torchtitan's load_only: a look at step 4 that changes nothing
+                       loss_log="look.jsonl"))  # load_only: a look at step 4, moving nothing
     assert "Training starts at step 5" in look.stdout and "moved PFS steps" not in look.stdout
     assert sorted(p.parent.name for p in job_dir(work).glob("step-*/COMMIT.json")) == ["step-10", "step-12", "step-8"]
     proc = _killed(torchrun(work, "--checkpoint.load_step", "4", fault="kill_after_step@7:1", loss_log="run2.jsonl"))
@@ -100,7 +100,7 @@ def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(refere
     assert (rec["tier"], rec["step"], rec["load_step"], rec["bytes_local"]) == ("pfs", 4, 4, 0)
     assert "moved PFS steps [8, 12]" in proc.stdout
     aside = work / "dump" / "checkpoint" / "set_aside" / "after_step_4"
-    assert sorted(p.name for p in aside.iterdir()) == ["step-12", "step-8"]
+    assert sorted(p.name for p in aside.iterdir()) == ["export-step-12", "step-12", "step-8"]
     assert sorted(p.parent.name for p in job_dir(work).glob("step-*/COMMIT.json")) == ["step-6"]
     typo = torchrun(work, "--checkpoint.load_step", "5", loss_log="typo.jsonl")
     assert typo.returncode != 0 and "Training starts" not in typo.stdout

@@ -219,11 +219,11 @@ def test_pfs_retention_keeps_another_jobs_steps(tmp_path):
     assert tier.steps() == [4, 8, 10, 12]
 
 
-def test_pfs_steps_newer_than_a_resume_are_set_aside_never_another_jobs_nor_an_export(tmp_path):
+def test_pfs_steps_newer_than_a_resume_are_set_aside_whole_never_another_jobs(tmp_path):
     """After a restart at step 6 (load_step = 6, or newer steps that failed their checks):
-    this job's resumable steps after it, stock ones and a last step's full state too, move
-    to set_aside/after_step_6/ whole, so no later restart loads them and retention keeps
-    the new run's; another job's step and an export stay where they are."""
+    this job's steps after it, stock ones, a last step's full state and its export too,
+    move to set_aside/after_step_6/ whole, so no later restart loads them, retention keeps
+    the new run's and no save of those numbers deletes them; another job's stay."""
     from titan_ckpt_plus.tiers.pfs import MANIFEST, PfsTier
 
     def step(d, owner, kind="full"):
@@ -236,16 +236,18 @@ def test_pfs_steps_newer_than_a_resume_are_set_aside_never_another_jobs_nor_an_e
         step(tmp_path / f"step-{s}", owner)
     step(tmp_path / "step-14", "mine", kind="export")
     step(tmp_path / "full_state" / "step-14", "mine")
+    step(tmp_path / "step-16", "theirs", kind="export")
     tier = PfsTier(str(tmp_path), rank=0, world_size=1, keep_latest_k=2, job_id="mine")
-    assert PfsTier(str(tmp_path), rank=1, world_size=2, keep_latest_k=2, job_id="mine").set_aside_after(6) == ([], "")
-    moved, dest = tier.set_aside_after(6)
-    assert (moved, dest) == ([8, 12, 14], str(tmp_path / "set_aside" / "after_step_6"))
-    assert sorted(os.listdir(dest)) == ["step-12", "step-14", "step-8"]
+    assert PfsTier(str(tmp_path), rank=1, world_size=2, keep_latest_k=2, job_id="mine").set_aside_after(6) == (
+        [], "", 0)
+    moved, dest, before = tier.set_aside_after(6)
+    assert (moved, dest, before) == ([8, 12, 14], str(tmp_path / "set_aside" / "after_step_6"), 0)
+    assert sorted(os.listdir(dest)) == ["export-step-14", "step-12", "step-14", "step-8"]
     assert (tmp_path / "set_aside" / "after_step_6" / "step-14" / "__0_0.distcp").exists()  # whole
-    assert tier.steps() == [2, 6, 10] and tier.exports() == [14]
-    assert tier.set_aside_after(6) == ([], "")
-    step(tmp_path / "step-7", "mine")  # rolled back to 6 again, later
-    assert tier.set_aside_after(6) == ([7], str(tmp_path / "set_aside" / "after_step_6.1"))
+    assert tier.steps() == [2, 6, 10] and tier.exports() == [16]
+    assert tier.set_aside_after(6) == ([], "", 0)
+    step(tmp_path / "step-7", "mine")  # gone back to 6 again, later
+    assert tier.set_aside_after(6) == ([7], str(tmp_path / "set_aside" / "after_step_6.1"), 1)
     from titan_ckpt_plus.inspect import _set_aside  # what titan-ckpt ls says of them
     assert "in set_aside (after_step_6: steps [8, 12, 14], after_step_6.1: steps [7]), never loaded" \
         in _set_aside(str(tmp_path))

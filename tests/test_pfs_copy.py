@@ -531,6 +531,12 @@ def test_load_step_loads_that_step_from_the_tier_holding_it_and_the_steps_after_
         assert (rec.tier, rec.skipped, rec.steps_found) == (None, [], [2, 4, 5, 6])
         with pytest.raises(FileNotFoundError, match=r"load_step = 3: step 3 is held by neither .*\[2, 4, 5, 6\]"):
             refuse_a_missing_load_step(3, rec)
+        def read_only(step):
+            raise PermissionError(13, "Read-only file system")
+        ckpt.pfs.set_aside_after = read_only  # a later restart would load what it could not move: refused
+        with pytest.raises(RuntimeError, match=r"could not set aside the PFS steps newer than step 4: .*Fix: make"):
+            ckpt.resumed_at(4)
+        del ckpt.pfs.set_aside_after
         ckpt.resumed_at(4)
         assert (ckpt.local.steps(), ckpt.pfs.steps()) == ([4], [2, 4])
         assert os.listdir(tmp_path / "pfs" / "set_aside" / "after_step_4") == ["step-6"]

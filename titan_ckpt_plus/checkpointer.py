@@ -339,11 +339,16 @@ class TieredCheckpointer:
                      "resumed from (a timeline it left: it saves those numbers again)")
         why = ""
         try:
-            moved, dest = self.pfs.set_aside_after(step)
+            moved, dest, before = self.pfs.set_aside_after(step)
             if moved:
                 log.warning(f"[titan_ckpt_plus] moved PFS steps {moved} to {dest}: newer than step {step}, which "
                             "the job resumed from, so never loaded in place of its new steps; delete that "
                             "folder once they are of no more use")
+            if moved and before:
+                log.warning(f"[titan_ckpt_plus] the job has gone back to step {step} {before + 1} times: if "
+                            f"[checkpoint] load_step = {step} is still in its config, every restart goes back "
+                            "there and sets aside what it trained since. Fix: load_step = -1 (the default) "
+                            "to resume from the newest step.")
         except OSError as e:
             why = f"could not set aside the PFS steps newer than step {step}: {e!r}"
         why = agree(why, self.commit_pg)
@@ -709,7 +714,8 @@ class TieredCheckpointer:
         `load(reader)`, whose reads fetch first the lacking parts the node's ranks read,
         and only those (_fetch_read); ("" once done on every rank, else why not; the
         parts whose data moved, (node's first rank, old rank))."""
-        why = agree(self._fetch_parts(step, world_size, plan, rec, data=False), self.commit_pg)
+        order = recovery.fetch_order(plan)  # the holders chosen once: a part's layout and data from one
+        why = agree(self._fetch_parts(step, world_size, order, rec, data=False), self.commit_pg)
         reader, fetched = None, []
         if not why:
             try:
@@ -718,7 +724,7 @@ class TieredCheckpointer:
                 lacking = [old for _, receiver, old in plan if receiver == node[0]]
                 reader, nbytes = reshard.open_step(self.local, step, world_size,
                                                    (node.index(self.s.rank), len(node)), lacking)
-                reader.fetch = lambda read: self._fetch_read(step, world_size, plan, read, rec, fetched)
+                reader.fetch = lambda read: self._fetch_read(step, world_size, order, read, rec, fetched)
                 rec.bytes_read["local"] += nbytes
             except Exception as e:
                 why = str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
@@ -740,7 +746,7 @@ class TieredCheckpointer:
                 rec.partly_loaded = step
         return (f"{why} (resharding from world size {world_size})" if why else "", fetched)
 
-    def _fetch_read(self, step: int, world_size: int, plan: list, read: set[int], rec: Recovery,
+    def _fetch_read(self, step: int, world_size: int, order: list, read: set[int], rec: Recovery,
                     fetched: list) -> str:
         """Collective, from the reader's read_data once DCP has planned which old ranks'
         parts each rank reads (`read`): of `plan`, the parts a node folder lacks and some
@@ -752,25 +758,25 @@ class TieredCheckpointer:
         reads: dict[int, set] = {}
         for node, olds in wanted:
             reads.setdefault(node, set()).update(olds)
-        plan = [(holders, node, old) for holders, node, old in plan if old in reads.get(node, ())]
-        fetched[:] = [(node, old) for _, node, old in plan]
-        return agree(self._fetch_parts(step, world_size, plan, rec), self.commit_pg)
+        order = [(holder, node, old) for holder, node, old in order if old in reads.get(node, ())]
+        fetched[:] = [(node, old) for _, node, old in order]
+        return agree(self._fetch_parts(step, world_size, order, rec), self.commit_pg)
 
-    def _fetch_parts(self, step: int, world_size: int, plan: list, rec: Recovery, data: bool = True) -> str:
-        """The parts of `step` (saved by `world_size` ranks) in `plan`, each sent by a
-        node holding it and stored as replicas are: streamed to their files, checked on
-        arrival (without `data`: their manifests and layouts alone, which DCP's
-        metadata is made from). Every rank walks recovery.fetch_order(plan), the same
-        list, so the transfers pair up. Returns "" or why not."""
+    def _fetch_parts(self, step: int, world_size: int, order: list, rec: Recovery, data: bool = True) -> str:
+        """The parts of `step` (saved by `world_size` ranks) in `order` ((holder,
+        receiver, old rank): recovery.fetch_order), stored as replicas are: streamed to
+        their files, checked on arrival (without `data`: their manifests and layouts
+        alone, which DCP's metadata is made from). Every rank walks the same list, so
+        the transfers pair up. Returns "" or why not."""
         me, why, limit = self.s.rank, "", 0
         wire, store = Wire(self.commit_pg), self.local.old_run_view(world_size)
-        if any(receiver == me for _, receiver, _ in plan):
+        if any(receiver == me for _, receiver, _ in order):
             try:
                 limit = shutil.disk_usage(self.local.root).free
                 self.local.adopt_step(step, world_size)
             except OSError as e:  # still walk the plan (refusing what comes): the holders send regardless
                 why = f"marking step {step}'s folder: {e!r}"
-        for holder, receiver, old in recovery.fetch_order(plan):
+        for holder, receiver, old in order:
             if me == holder:
                 self._send_part(wire, step, old, receiver, limit, data)
             elif me == receiver:

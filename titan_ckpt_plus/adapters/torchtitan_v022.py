@@ -455,8 +455,13 @@ class TieredCheckpointManager(_StockManager):
 
     @torch.no_grad()
     def load(self, step: int = -1) -> bool:
-        if self.tiered is None or step == 0:  # step 0: the model-only seed checkpoint, as stock
+        if self.tiered is None:
             return super().load(step)
+        if step == 0:  # the model-only seed checkpoint, loaded as stock does; the steps after it go
+            loaded = super().load(step)
+            if loaded and not self.load_only:
+                self.tiered.resumed_at(0)
+            return loaded
         t0 = time.monotonic()
         rec = self.tiered.recover(lambda reader: reader.load(self._states_to_load(model_only=False)),
                                   only_step=step)  # load_step: from whichever tier holds it

@@ -145,30 +145,37 @@ class PfsFolder:
             self._remove(self.step_dir(s))
         return old
 
-    def set_aside_after(self, step: int) -> tuple[list[int], str]:
-        """Rank 0, after a restart at `step`: this job's resumable steps newer than it, the
-        timeline the job left, move to set_aside/after_step_N/ (one rename each), so that
-        no later restart loads them in place of the new run's steps and retention keeps
-        the new run's, yet nothing is deleted. Exports stay: never loaded, and the new
-        run's last step writes over them. Returns the steps moved and where."""
+    def set_aside_after(self, step: int) -> tuple[list[int], str, int]:
+        """Rank 0, after a restart at `step`: this job's steps newer than it (stock
+        torchtitan's, without a manifest, too, as retention counts them), the timeline
+        the job left, move to set_aside/after_step_N/ (one rename each): a resumable one
+        as step-K, an export as export-step-K (a tool taking the newest export would take
+        the old timeline's model, and a save of step K would delete it). So no later
+        restart loads them in place of the new run's steps and retention keeps the new
+        run's, yet nothing is deleted. Returns the steps moved, where, and how many
+        times steps were set aside after this step before."""
         if self.rank != 0:
-            return [], ""
-        newer = sorted(s for s, owner in self.owners().items() if s > step and owner in (None, self.job_id))
-        if not newer:
-            return [], ""
-        dest = os.path.join(self.folder, SET_ASIDE, f"after_step_{step}")
-        n = 1
+            return [], "", 0
+        mine = (None, self.job_id)
+        moves = [(self.step_dir(s), f"step-{s}", s) for s, owner in self.owners().items()
+                 if s > step and owner in mine]
+        moves += [(self._dir(s), f"export-step-{s}", s) for s in self.exports()
+                  if s > step and read_owner(self._dir(s)) in mine]
+        if not moves:
+            return [], "", 0
+        aside = os.path.join(self.folder, SET_ASIDE)
+        dest, before = os.path.join(aside, f"after_step_{step}"), 0
         while os.path.exists(dest):  # set aside after the same step before
-            dest, n = os.path.join(self.folder, SET_ASIDE, f"after_step_{step}.{n}"), n + 1
+            before += 1
+            dest = os.path.join(aside, f"after_step_{step}.{before}")
         os.makedirs(dest)
-        left = {dest}
-        for s in newer:
-            src = self.step_dir(s)
-            os.rename(src, os.path.join(dest, f"step-{s}"))
-            left.add(os.path.dirname(src))
-        for d in left:  # the renames made durable: a crash must not bring a step back
+        made = {dest, aside, self.folder}
+        for src, name, _ in moves:
+            os.rename(src, os.path.join(dest, name))
+            made.add(os.path.dirname(src))
+        for d in made:  # the renames and new folders made durable: a crash must not lose a step
             files.fsync_dir(d)
-        return newer, dest
+        return sorted({s for _, _, s in moves}), dest, before
 
     def _remove(self, path: str) -> None:
         """A purged step: its .metadata first (the step is no longer complete, so never
