@@ -344,7 +344,7 @@ class TieredCheckpointer:
                 log.warning(f"[titan_ckpt_plus] moved PFS steps {moved} to {dest}: newer than step {step}, which "
                             "the job resumed from, so never loaded in place of its new steps; delete that "
                             "folder once they are of no more use")
-            if moved and before:
+            if before:  # set aside after this step before
                 log.warning(f"[titan_ckpt_plus] the job has gone back to step {step} {before + 1} times: if "
                             f"[checkpoint] load_step = {step} is still in its config, every restart goes back "
                             "there and sets aside what it trained since. Fix: load_step = -1 (the default) "
@@ -629,20 +629,17 @@ class TieredCheckpointer:
                                              skip={s for r in reports for s in r})
         unless = ("some part of it is held on no node" if self.s.local_reshard and load_resharded
                   else "local_reshard = false")
+        for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
+            rec.skipped.append(("local", step, f"{other[step]} ({unless}: only a PFS step reshards)"))
+        for step, ranks in recovery.missing_parts(reports).items():
+            rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         pfs_steps = self.pfs.steps()
         rec.steps_found = sorted({s for r in reports for s in r} | set(other) | set(pfs_steps))
-
-        def wanted(s: int) -> bool:
-            return only_step in (-1, s)
-        for s in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
-            if wanted(s):
-                rec.skipped.append(("local", s, f"{other[s]} ({unless}: only a PFS step reshards)"))
-        for s, ranks in recovery.missing_parts(reports).items():
-            if wanted(s):
-                rec.skipped.append(("local", s, f"no valid part of ranks {ranks[:8]} on any node"))
-        for tier, step in recovery.ordered_candidates(reports, pfs_steps, reshardable):
-            if not wanted(step):
-                continue
+        cands = recovery.ordered_candidates(reports, pfs_steps, reshardable)
+        if only_step != -1:  # load_step: that step alone, and only its skips said
+            rec.skipped = [x for x in rec.skipped if x[1] == only_step]
+            cands = [c for c in cands if c[1] == only_step]
+        for tier, step in cands:
             if tier == "local":
                 state, why = self._fetch_local(step, recovery.pull_plan(reports, step), rec)
                 why = agree(why, self.commit_pg)

@@ -459,8 +459,8 @@ class TieredCheckpointManager(_StockManager):
             return super().load(step)
         if step == 0:  # the model-only seed checkpoint, loaded as stock does; the steps after it go
             loaded = super().load(step)
-            if loaded and not self.load_only:
-                self.tiered.resumed_at(0)
+            if loaded:
+                self._resumed_at(0)
             return loaded
         t0 = time.monotonic()
         rec = self.tiered.recover(lambda reader: reader.load(self._states_to_load(model_only=False)),
@@ -482,7 +482,7 @@ class TieredCheckpointManager(_StockManager):
                     f"{self.folder} and the local folders aside to start from scratch.")
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
         refuse_a_partial_state(rec)
-        model_only = rec.tier == "pfs" and rec.step == 0  # a seed checkpoint, as stock loads it
+        model_only = rec.step == 0  # a seed checkpoint: from the PFS alone, as stock loads it
         if rec.tier == "pfs":
             rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, self._states_to_load(model_only))
         elif not rec.resharded_from:  # a local step of another layout: loaded by recover()
@@ -504,8 +504,7 @@ class TieredCheckpointManager(_StockManager):
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
-        if not self.load_only:  # load_only saves nothing: no new timeline, nothing set aside
-            self.tiered.resumed_at(rec.step)
+        self._resumed_at(rec.step)
         if self._digests.path:  # what the load wrote alone (after a model-only one, no optimizer)
             self._digests.record("load", rec.step, self._state(self._states_to_load(model_only)),
                                  dist.get_world_size())
@@ -517,6 +516,12 @@ class TieredCheckpointManager(_StockManager):
                            parts_lacking=rec.parts_lacking,
                            skipped=[list(x) for x in rec.skipped])
         return True
+
+    def _resumed_at(self, step: int) -> None:
+        """The steps after the one loaded go (TieredCheckpointer.resumed_at), unless the
+        job saves nothing (load_only: a look at a step starts no new timeline)."""
+        if not self.load_only:
+            self.tiered.resumed_at(step)
 
     def _load_local(self, saved: dict) -> None:
         for key, live in self._states_to_load(model_only=False).items():
