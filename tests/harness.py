@@ -34,7 +34,7 @@ def torchrun(workdir: Path, *overrides: str, nproc: int = 2, fault: str = "", nn
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=path,
                TITAN_CKPT_LOSS_LOG=str(workdir / loss_log), TITAN_CKPT_FAULT=fault,
-               WANDB_MODE="offline", **(env or {}))
+               WANDB_MODE="offline", TITAN_CKPT_NO_FINAL_SLEEP="1", **(env or {}))
     if digests:
         env.setdefault(DIGEST_ENV, str(workdir / "digests"))
     if nnodes == 1:
@@ -195,3 +195,11 @@ def pfs_step(work: Path, step: int) -> Path:
     pfs = work / "dump" / "checkpoint"
     full = pfs / "full_state" / f"step-{step}"
     return full if (full / ".metadata").exists() else pfs / f"step-{step}"
+
+
+def files_of(folder: Path, but: tuple = ("JOB.json", ".lock")) -> dict[str, tuple[int, int]]:
+    """Every file under `folder` -> (size, mtime in ns), but those named in `but` (a job's
+    claim of its local folder rewrites JOB.json): equal before and after a run that
+    wrote nothing there."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in but}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import ckpt_events, copy_run, flip_byte, job_dir, load_digests, losses, ok, torchrun, torchrun_nodes
+from harness import ckpt_events, copy_run, files_of, flip_byte, job_dir, load_digests, losses, ok, torchrun, torchrun_nodes
 
 pytestmark = pytest.mark.e2e
 REPL = ("--checkpoint.replication_factor=1",)
@@ -141,6 +141,13 @@ def test_a_node_lost_for_good_restarts_on_one_node_from_its_parts_and_replicas(k
     for part in job_dir(spread, "1").glob("step-*/rank-0000[01].*"):
         part.unlink()
     flip_byte(job_dir(spread) / "step-6" / "rank-00001.data")
+    # load_only (a look) fetches nothing into the node folders: the PFS step loads instead
+    before = files_of(spread / "local")
+    look = ok(*torchrun_nodes(spread, *more, "--checkpoint.load_only", "--training.steps", "5", nproc=1,
+                              loss_log="look.jsonl"))
+    assert "recovered step 4 from the pfs tier" in look.stdout
+    assert "lack parts of it, and load_only = true fetches nothing into them" in look.stdout
+    assert files_of(spread / "local") == before
     ok(*torchrun_nodes(spread, *more, nproc=1, loss_log="run2.jsonl"))
     rec = _recovery(spread)
     assert (rec["tier"], rec["step"], rec["resharded_from"], rec["bytes_pfs"]) == ("local", 4, 4, 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import (ckpt_events, copy_run, flip_byte, job_dir, load_digests, losses, ok, output, pfs_step,
+from harness import (ckpt_events, copy_run, files_of, flip_byte, job_dir, load_digests, losses, ok, output, pfs_step,
                      torchrun)
 
 pytestmark = pytest.mark.e2e
@@ -89,11 +89,15 @@ def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(refere
     aside. Killed after step 7, the job restarts from the new run's step 6, not from
     the step 12 it left, and trains on bit exact: retention kept the new run's steps. A
     load_step no tier holds stops the job before its first step, naming the steps there;
-    with load_only (a look at an old step) nothing is removed or moved."""
+    with load_only (a look at an old step) nothing is removed, moved or written: not in
+    the tiers, nor in the job's events and failure ledger (its start would count as a
+    failure of the job's)."""
     work = copy_run(reference, tmp_path / "work")
+    before = files_of(work / "dump") | files_of(work / "local")
     look = ok(torchrun(work, "--checkpoint.load_step", "4", "--checkpoint.load_only", "--training.steps", "5",
                        loss_log="look.jsonl"))  # load_only: a look at step 4, moving nothing
-    assert "Training starts at step 5" in look.stdout and "moved PFS steps" not in look.stdout
+    assert "Training starts at step 5" in look.stdout and "recovered step 4 from the pfs tier" in look.stdout
+    assert files_of(work / "dump") | files_of(work / "local") == before
     assert sorted(p.parent.name for p in job_dir(work).glob("step-*/COMMIT.json")) == ["step-10", "step-12", "step-8"]
     proc = _killed(torchrun(work, "--checkpoint.load_step", "4", fault="kill_after_step@7:1", loss_log="run2.jsonl"))
     rec = _recovery(work)

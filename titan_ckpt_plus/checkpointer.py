@@ -339,11 +339,14 @@ class TieredCheckpointer:
                      "resumed from (a timeline it left: it saves those numbers again)")
         why = ""
         try:
-            moved, dest, before = self.pfs.set_aside_after(step)
+            moved, dest, before, deleted = self.pfs.set_aside_after(step)
             if moved:
                 log.warning(f"[titan_ckpt_plus] moved PFS steps {moved} to {dest}: newer than step {step}, which "
                             "the job resumed from, so never loaded in place of its new steps; delete that "
                             "folder once they are of no more use")
+            if deleted:
+                log.warning(f"[titan_ckpt_plus] deleted {deleted}, steps set aside earlier: the set_aside "
+                            f"folder keeps the newest {self.s.pfs_keep} (keep_latest_k)")
             if before:  # set aside after this step before
                 log.warning(f"[titan_ckpt_plus] the job has gone back to step {step} {before + 1} times: if "
                             f"[checkpoint] load_step = {step} is still in its config, every restart goes back "
@@ -602,7 +605,8 @@ class TieredCheckpointer:
         if self._ended:
             self.pfs.release_spares()
 
-    def recover(self, load_resharded: Callable[[Any], int] | None = None, only_step: int = -1) -> Recovery:
+    def recover(self, load_resharded: Callable[[Any], int] | None = None, only_step: int = -1,
+                read_only: bool = False) -> Recovery:
         """Collective: agree on the newest checkpoint every rank can load (`only_step`, if
         not -1: that step alone, from whichever tier holds it: torchtitan's load_step), fetch
         missing local parts from the nodes holding replicas, verify, and return it
@@ -612,13 +616,16 @@ class TieredCheckpointer:
         raises on every rank alike), the next candidate is tried and loads over it
         (`partly_loaded` says whether it must: the caller refuses a model-only one). An
         error of the job's own state (a dataloader refusing another DP degree) is raised:
-        the PFS step would meet it too."""
+        the PFS step would meet it too. `read_only` (load_only: a look at a step) writes
+        nothing into the node folders: no marks, no fetched parts (a reshard that would
+        fetch some is skipped; the PFS step loads instead)."""
         rec = Recovery(None)
         gathered: list = [None] * self.s.world_size
         held = self.local.held_parts(self.s.layout_tags)
         other = self.local.other_layout_steps(held, self.s.layout_tags)
         try:
-            self.local.mark_old_layout(other, held)
+            if not read_only:
+                self.local.mark_old_layout(other, held)
         except OSError as e:  # retention then counts them as this run's: worth a line, not the job
             log.warning(f"[titan_ckpt_plus] could not mark local steps {sorted(other)} as another layout's: {e!r}")
         parts = self.local.other_layout_parts(other) if self.s.local_reshard and load_resharded else {}
@@ -631,6 +638,10 @@ class TieredCheckpointer:
                   else "local_reshard = false")
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
             rec.skipped.append(("local", step, f"{other[step]} ({unless}: only a PFS step reshards)"))
+        for step in [s for s, (_, plan) in reshardable.items() if plan] if read_only else ():
+            del reshardable[step]
+            rec.skipped.append(("local", step, "node folders lack parts of it, and load_only = true "
+                                "fetches nothing into them"))
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         pfs_steps = self.pfs.steps()

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -87,11 +88,14 @@ class TieredCheckpointManager(_StockManager):
             last_step_export=self._last_step_is_export(),
             background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
             background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
-            helper_process=getattr(checkpoint_config, "helper_process", False),
+            helper_process=getattr(checkpoint_config, "helper_process", False) and not self.load_only,
             local_reshard=getattr(checkpoint_config, "local_reshard", True),
         )
+        # load_only (a look at a step, saving nothing) leaves the job's records as they were:
+        # its start would read as an incarnation that failed, and shorten the job's intervals.
+        records = rank == 0 and not self.load_only
         events_path = os.path.join(base_folder, identity.PLUGIN_DIR, "events.jsonl")
-        self.events = EventLog(events_path if rank == 0 else None)
+        self.events = EventLog(events_path if records else None)
         settings.node_ranks = self._survey_nodes(base_folder, node_folder, settings)
         placement = self._placement(checkpoint_config, world)
         policy = self._interval_policy(checkpoint_config)
@@ -101,7 +105,7 @@ class TieredCheckpointManager(_StockManager):
         self.tiered = TieredCheckpointer(settings, self._capture, self.events, placement, policy,
                                          adaptive=checkpoint_config.adaptive_interval)
         ledger_path = os.path.join(base_folder, identity.PLUGIN_DIR, "ledger.jsonl")
-        self.ledger = FailureLedger(ledger_path) if rank == 0 else None
+        self.ledger = FailureLedger(ledger_path) if records else None
         self.incarnation = f"{int(time.time())}-{os.getpid()}"
         trainer = states.get(tt_checkpoint.TRAIN_STATE)
         self._warn_slow_bf16(trainer, rank)
@@ -251,7 +255,8 @@ class TieredCheckpointManager(_StockManager):
         if dist.get_rank() == 0:
             path = os.path.join(base_folder, identity.PLUGIN_DIR, "local_roots.json")
             try:  # for the tools only: not worth stopping the job (or hanging the others)
-                atomic_write_json(path, sorted({w["root"] for w in where}))
+                if not self.load_only:  # a look's nodes need not be the job's
+                    atomic_write_json(path, sorted({w["root"] for w in where}))
             except OSError as e:
                 logger.warning(f"[titan_ckpt_plus] could not write {path}: {e!r}")
             for w in where:
@@ -464,7 +469,8 @@ class TieredCheckpointManager(_StockManager):
             return loaded
         t0 = time.monotonic()
         rec = self.tiered.recover(lambda reader: reader.load(self._states_to_load(model_only=False)),
-                                  only_step=step)  # load_step: from whichever tier holds it
+                                  only_step=step,  # load_step: from whichever tier holds it
+                                  read_only=self.load_only)
         for tier, s, why in rec.skipped:
             logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
         if rec.tier is None:
@@ -608,6 +614,32 @@ def _record_losses(path: str | None, sched_path: str | None = None) -> None:
     metrics.MetricsProcessor.log = logged
 
 
+NO_FINAL_SLEEP_ENV = "TITAN_CKPT_NO_FINAL_SLEEP"
+
+
+class _TimeWithoutFinalSleep(types.ModuleType):
+    """`time`, but sleep(2) returns at once: see _skip_final_sleep."""
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        if seconds != 2:
+            time.sleep(seconds)
+
+
+def _skip_final_sleep() -> None:
+    """Test hook, armed by TITAN_CKPT_NO_FINAL_SLEEP: torchtitan's train() ends with rank
+    0 sleeping 2 s "for other ranks to complete" before the trainer closes, a sixth of
+    a CPU test run; the e2e tests skip it (the last step's save has flushed both tiers
+    by then, and close() waits for whatever still runs). The trainer's module (__main__
+    under `torchrun -m torchtitan.train`) gets a `time` without that sleep."""
+    for mod in (sys.modules.get("__main__"), sys.modules.get("torchtitan.train")):
+        if getattr(mod, "time", None) is time and hasattr(mod, "Trainer"):
+            mod.time = _TimeWithoutFinalSleep("time")
+
+
 _installed = False
 
 
@@ -621,6 +653,8 @@ def install() -> None:
     cpu_fallback.apply_if_needed()
     flavors.register()
     _record_losses(os.environ.get(LOSS_LOG_ENV), os.environ.get(SCHED_LOG_ENV))
+    if os.environ.get(NO_FINAL_SLEEP_ENV):
+        _skip_final_sleep()
 
     def __new__(cls, *args, **kwargs):
         if cls is _StockManager and _wants_tiers(args, kwargs):
