@@ -322,9 +322,12 @@ class Matrix:
     """Runs scenarios under `base`, with one uninterrupted run per job shape to compare
     losses with (made on first use)."""
 
-    def __init__(self, base: Path, keys: tuple = ()) -> None:
+    def __init__(self, base: Path, keys: tuple = (), reference: "Matrix | None" = None) -> None:
         self.base = Path(base)
         self.keys = keys  # plugin keys every run gets (--keys)
+        # whose uninterrupted runs to compare losses with: another matrix's (without keys
+        # that leave losses as they are, helper_process), which these runs then match too
+        self.reference = reference or self
         self._baselines: dict = {}
 
     def launch(self, work: Path, nodes: int, nproc: int, *overrides: str, fault: str = "",
@@ -431,7 +434,7 @@ class Matrix:
         res.failures += self._newest_steps_verify(work)
 
     def _same_losses(self, sc: Scenario, work: Path, step: int, overrides: tuple) -> list[str]:
-        ref = self.baseline(sc.nodes, sc.nproc[1], overrides)
+        ref = self.reference.baseline(sc.nodes, sc.nproc[1], overrides)
         got = harness.losses(work, "run2.jsonl")
         steps = range(step + 1, STEPS + 1)
         if [got.get(s) for s in steps] != [ref[s] for s in steps]:

@@ -197,9 +197,9 @@ def pfs_step(work: Path, step: int) -> Path:
     return full if (full / ".metadata").exists() else pfs / f"step-{step}"
 
 
-def files_of(folder: Path, but: tuple = ("JOB.json", ".lock")) -> dict[str, tuple[int, int]]:
-    """Every file under `folder` -> (size, mtime in ns), but those named in `but` (a job's
-    claim of its local folder rewrites JOB.json): equal before and after a run that
-    wrote nothing there."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name not in but}
+def files_of(folder: Path, but: tuple = ("JOB.json", ".lock")) -> dict[str, tuple | None]:
+    """Every file under `folder` -> (size, mtime in ns), every folder -> None, but files
+    named in `but` (a job's claim of its local folder rewrites JOB.json): equal before
+    and after a run that wrote nothing there."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) if p.is_file() else None
+            for p in sorted(folder.rglob("*")) if p.name not in but}

@@ -31,12 +31,14 @@ def test_fault_scenario_recovers_as_expected(matrix, name):
     assert result.observed == result.expected
 
 
-def test_a_preemption_with_helper_process_still_saves(tmp_path):
+def test_a_preemption_with_helper_process_still_saves(matrix, tmp_path):
     """The sigterm scenario with `[checkpoint] helper_process`: torchrun's SIGTERM to a
     rank's process group must reach the rank alone, not its byte helper or the job's
     hub, which its preemption save needs (it failed so once, unseen: the full matrix
-    with the helper is not run here)."""
-    result = chaos.Matrix(tmp_path, keys=("--checkpoint.helper_process",)).run("sigterm")
+    with the helper is not run here). Its losses after the restart are those of the
+    uninterrupted run without the helper."""
+    helper = chaos.Matrix(tmp_path, keys=("--checkpoint.helper_process",), reference=matrix)
+    result = helper.run("sigterm")
     assert not result.failures, result.failures
     assert result.observed == result.expected
 

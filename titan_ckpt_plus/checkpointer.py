@@ -140,6 +140,9 @@ class Recovery:
     steps_found: list = field(default_factory=list)  # every step of this job some tier holds
 
 
+LOOK_FETCHES = "load_only = true fetches nothing into them"
+
+
 class TieredCheckpointer:
     def __init__(self, s: TierSettings, capture: Callable[[], Any], events: EventLog,
                  placement: ReplicaPlacement | None = None,
@@ -339,14 +342,11 @@ class TieredCheckpointer:
                      "resumed from (a timeline it left: it saves those numbers again)")
         why = ""
         try:
-            moved, dest, before, deleted = self.pfs.set_aside_after(step)
+            moved, dest, before = self.pfs.set_aside_after(step)
             if moved:
                 log.warning(f"[titan_ckpt_plus] moved PFS steps {moved} to {dest}: newer than step {step}, which "
                             "the job resumed from, so never loaded in place of its new steps; delete that "
                             "folder once they are of no more use")
-            if deleted:
-                log.warning(f"[titan_ckpt_plus] deleted {deleted}, steps set aside earlier: the set_aside "
-                            f"folder keeps the newest {self.s.pfs_keep} (keep_latest_k)")
             if before:  # set aside after this step before
                 log.warning(f"[titan_ckpt_plus] the job has gone back to step {step} {before + 1} times: if "
                             f"[checkpoint] load_step = {step} is still in its config, every restart goes back "
@@ -638,10 +638,10 @@ class TieredCheckpointer:
                   else "local_reshard = false")
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
             rec.skipped.append(("local", step, f"{other[step]} ({unless}: only a PFS step reshards)"))
-        for step in [s for s, (_, plan) in reshardable.items() if plan] if read_only else ():
-            del reshardable[step]
-            rec.skipped.append(("local", step, "node folders lack parts of it, and load_only = true "
-                                "fetches nothing into them"))
+        if read_only:  # a reshard that fetches parts writes them into node folders
+            for step in [s for s, (_, plan) in reshardable.items() if plan]:
+                del reshardable[step]
+                rec.skipped.append(("local", step, f"node folders lack parts of it, and {LOOK_FETCHES}"))
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         pfs_steps = self.pfs.steps()

@@ -26,7 +26,7 @@ from torchtitan.tools.logging import logger
 
 from titan_ckpt_plus import config, cpu_fallback, digest, faults, flavors, identity, priority
 from titan_ckpt_plus.adapters import torchtitan_v022_data
-from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+from titan_ckpt_plus.checkpointer import LOOK_FETCHES, TieredCheckpointer, TierSettings
 from titan_ckpt_plus.optimizer_state import OptimizerStateCache
 from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
 from titan_ckpt_plus.policy.ledger import FAILURE_CLASSES, FailureLedger
@@ -116,7 +116,8 @@ class TieredCheckpointManager(_StockManager):
             self.events.submit(self.ledger.start, self.incarnation, t=time.time(), world_size=world)
         self._grace_s = checkpoint_config.preemption_grace_s
         self._sigterm_at: float | None = None
-        if self._grace_s > 0 and threading.current_thread() is threading.main_thread():
+        # a look (load_only) saves nothing: a preemption notice ends it as it ends stock's run
+        if self._grace_s > 0 and not self.load_only and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         policy_key = getattr(checkpoint_config, "background_policy", "auto")
         logger.info(f"[titan_ckpt_plus] tiers on, job {self.job.job_id}: local {settings.local_root} every "
@@ -244,7 +245,8 @@ class TieredCheckpointManager(_StockManager):
         problem, others = "", []
         if s.first_on_node:
             self._job_lock, problem = claim_job_dir(s.local_root, dict(
-                self.job.to_json(), host=socket.gethostname(), pid=os.getpid(), started_at=time.time()))
+                self.job.to_json(), host=socket.gethostname(), pid=os.getpid(), started_at=time.time()),
+                look=self.load_only)
             others = [j for j in node_jobs(node_folder) if j.job_id != s.job_id]
         where: list = [None] * dist.get_world_size()
         dist.all_gather_object(where, {"host": socket.gethostname(), "root": s.local_root,
@@ -462,6 +464,13 @@ class TieredCheckpointManager(_StockManager):
     def load(self, step: int = -1) -> bool:
         if self.tiered is None:
             return super().load(step)
+        try:
+            return self._load(step)
+        finally:
+            if self.load_only:  # a look reads the node folders no more: the job may restart there
+                self._release_job_lock()
+
+    def _load(self, step: int) -> bool:
         if step == 0:  # the model-only seed checkpoint, loaded as stock does; the steps after it go
             loaded = super().load(step)
             if loaded:
@@ -478,6 +487,7 @@ class TieredCheckpointManager(_StockManager):
             if step != -1 and rec.steps_found:
                 refuse_a_missing_load_step(step, rec)
             if rec.skipped:  # this job has steps, and none fits: starting over would lose them
+                look = any(LOOK_FETCHES in why for _, _, why in rec.skipped)
                 raise RuntimeError(
                     "[titan_ckpt_plus] this job has checkpoints but none can be loaded here "
                     "(see the warnings above: a failed check, or local steps of another "
@@ -485,7 +495,9 @@ class TieredCheckpointManager(_StockManager):
                     "refusing to load a "
                     "corrupt one or to silently start over. Fix: restart with the layout "
                     "they were saved with, or move "
-                    f"{self.folder} and the local folders aside to start from scratch.")
+                    f"{self.folder} and the local folders aside to start from scratch"
+                    + (", or run once without load_only (it fetches the parts the node folders lack)"
+                       if look else "") + ".")
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
         refuse_a_partial_state(rec)
         model_only = rec.step == 0  # a seed checkpoint: from the PFS alone, as stock loads it
@@ -529,6 +541,11 @@ class TieredCheckpointManager(_StockManager):
         if not self.load_only:
             self.tiered.resumed_at(step)
 
+    def _release_job_lock(self) -> None:
+        lock, self._job_lock = getattr(self, "_job_lock", None), None
+        if lock is not None:
+            lock.release()
+
     def _load_local(self, saved: dict) -> None:
         for key, live in self._states_to_load(model_only=False).items():
             if key not in saved:
@@ -544,9 +561,7 @@ class TieredCheckpointManager(_StockManager):
             tiered.close()
             self.events.flush()
             self._log_leftovers()
-        lock, self._job_lock = getattr(self, "_job_lock", None), None
-        if lock is not None:
-            lock.release()
+        self._release_job_lock()
         super().close()
 
 
@@ -554,7 +569,7 @@ def refuse_a_missing_load_step(step: int, rec) -> None:
     """[checkpoint] load_step names a step no tier can load, while the job has others:
     stock torchtitan refuses it too (FileNotFoundError), here with the steps there are."""
     found = rec.steps_found[-12:]
-    what = ("failed its checks wherever it is held (see the warnings above)" if rec.skipped
+    what = ("cannot be loaded here (see the warnings above)" if rec.skipped
             else "is held by neither the local tier nor the PFS")
     err = RuntimeError if rec.skipped else FileNotFoundError
     raise err(f"[titan_ckpt_plus] [checkpoint] load_step = {step}: step {step} {what}. This job's steps: "
@@ -618,23 +633,22 @@ NO_FINAL_SLEEP_ENV = "TITAN_CKPT_NO_FINAL_SLEEP"
 
 
 class _TimeWithoutFinalSleep(types.ModuleType):
-    """`time`, but sleep(2) returns at once: see _skip_final_sleep."""
+    """`time`, but sleep(2) lasts 0.25 s: see _skip_final_sleep."""
 
     def __getattr__(self, name: str):
         return getattr(time, name)
 
     @staticmethod
     def sleep(seconds: float) -> None:
-        if seconds != 2:
-            time.sleep(seconds)
+        time.sleep(0.25 if seconds == 2 else seconds)  # a moment still: rank 0 hosts the store
 
 
 def _skip_final_sleep() -> None:
     """Test hook, armed by TITAN_CKPT_NO_FINAL_SLEEP: torchtitan's train() ends with rank
     0 sleeping 2 s "for other ranks to complete" before the trainer closes, a sixth of
-    a CPU test run; the e2e tests skip it (the last step's save has flushed both tiers
-    by then, and close() waits for whatever still runs). The trainer's module (__main__
-    under `torchrun -m torchtitan.train`) gets a `time` without that sleep."""
+    a CPU test run; the e2e tests cut it to 0.25 s (the last step's save has flushed both
+    tiers by then, and close() waits for whatever still runs). The trainer's module
+    (__main__ under `torchrun -m torchtitan.train`) gets a `time` with that shorter sleep."""
     for mod in (sys.modules.get("__main__"), sys.modules.get("torchtitan.train")):
         if getattr(mod, "time", None) is time and hasattr(mod, "Trainer"):
             mod.time = _TimeWithoutFinalSleep("time")

@@ -133,11 +133,12 @@ def _same_file(path: str, fd: int) -> bool:
         return False
 
 
-def claim_job_dir(folder: str, record: dict, wait_s: float = 30.0) -> tuple[JobLock | None, str]:
+def claim_job_dir(folder: str, record: dict, wait_s: float = 30.0, look: bool = False) -> tuple[JobLock | None, str]:
     """The node's first rank, at start: make the job's subfolder, hold its lock and
     write JOB.json (who the job is, where its dump folder is, for tools and the other
     jobs' logs). Returns (the lock, "") or (None, why this process cannot use it):
-    never raises, as the other ranks wait for the answer in a collective."""
+    never raises, as the other ranks wait for the answer in a collective. `look`: the
+    process is a load_only run, whose fix differs."""
     lock = JobLock(folder)
     try:
         who = lock.acquire(wait_s)
@@ -149,6 +150,10 @@ def claim_job_dir(folder: str, record: dict, wait_s: float = 30.0) -> tuple[JobL
         lock.release()
         return None, (f"cannot use the local folder {folder} ({e}). Fix: [checkpoint] "
                       "local_folder on a writable node-local disk")
+    if look:
+        return None, (f"{folder} is in use by {who}, another process of this job. Fix: give this "
+                      "load_only run a [checkpoint] local_folder of its own (it then loads the PFS "
+                      "steps), or stop the other one")
     return None, (f"{folder} is in use by {who}, another process of this job: two "
                   "incarnations of one job, or two nodes given one local folder, cannot "
                   "share it. Fix: stop the other one, or put {node_rank} in "

@@ -145,25 +145,24 @@ class PfsFolder:
             self._remove(self.step_dir(s))
         return old
 
-    def set_aside_after(self, step: int) -> tuple[list[int], str, int, list[str]]:
+    def set_aside_after(self, step: int) -> tuple[list[int], str, int]:
         """Rank 0, after a restart at `step`: this job's steps newer than it (stock
         torchtitan's, without a manifest, too, as retention counts them), the timeline
         the job left, move to set_aside/after_step_N/ (one rename each): a resumable one
         as step-K, an export as export-step-K (a tool taking the newest export would take
         the old timeline's model, and a save of step K would delete it). So no later
         restart loads them in place of the new run's steps and retention keeps the new
-        run's, yet nothing of it is deleted: set_aside/ keeps the newest keep_latest_k
-        such timelines (_prune_set_aside). Returns the steps moved, where, how many times
-        steps were set aside after this step before, and the timelines deleted."""
+        run's, yet nothing is deleted. Returns the steps moved, where, and how many
+        times steps were set aside after this step before."""
         if self.rank != 0:
-            return [], "", 0, []
+            return [], "", 0
         mine = (None, self.job_id)
         moves = [(self.step_dir(s), f"step-{s}", s) for s, owner in self.owners().items()
                  if s > step and owner in mine]
         moves += [(self._dir(s), f"export-step-{s}", s) for s in self.exports()
                   if s > step and read_owner(self._dir(s)) in mine]
         if not moves:
-            return [], "", 0, []
+            return [], "", 0
         aside = os.path.join(self.folder, SET_ASIDE)
         dest, before = os.path.join(aside, f"after_step_{step}"), 0
         while os.path.exists(dest):  # set aside after the same step before
@@ -176,24 +175,7 @@ class PfsFolder:
             made.add(os.path.dirname(src))
         for d in made:  # the renames and new folders made durable: a crash must not lose a step
             files.fsync_dir(d)
-        return sorted({s for _, _, s in moves}), dest, before, self._prune_set_aside()
-
-    def _prune_set_aside(self) -> list[str]:
-        """set_aside/ keeps its newest keep_latest_k timelines (0 keeps all), as retention
-        keeps steps: each holds at most that many, and a load_step left in a config sets
-        one aside at every restart. Returns the folders deleted, oldest first; one that
-        cannot be is left for the next go-back (the move, done, is what matters)."""
-        aside = os.path.join(self.folder, SET_ASIDE)
-        if self.keep_latest_k <= 0:
-            return []
-        timelines = sorted((os.stat(p).st_mtime_ns, n, p) for n in os.listdir(aside)
-                           if os.path.isdir(p := os.path.join(aside, n)))
-        deleted = []
-        for _, _, p in timelines[: -self.keep_latest_k]:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(p)
-                deleted.append(p)
-        return deleted
+        return sorted({s for _, _, s in moves}), dest, before
 
     def _remove(self, path: str) -> None:
         """A purged step: its .metadata first (the step is no longer complete, so never
