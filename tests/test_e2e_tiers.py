@@ -91,12 +91,15 @@ def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(refere
     load_step no tier holds stops the job before its first step, naming the steps there;
     with load_only (a look at an old step) nothing is removed, moved or written: not in
     the tiers, nor in the job's events and failure ledger (its start would count as a
-    failure of the job's)."""
+    failure of the job's), and a SIGTERM ends it."""
     work = copy_run(reference, tmp_path / "work")
     before = [files_of(work / "dump"), files_of(work / "local")]
-    look = ok(torchrun(work, "--checkpoint.load_step", "4", "--checkpoint.load_only", "--training.steps", "5",
-                       loss_log="look.jsonl"))  # load_only: a look at step 4, moving nothing
+    # load_only: a look at step 4, moving nothing; a preemption notice after its step 5 ends it
+    # there, as it ends stock torchtitan's run (a look saves nothing: no grace period to use)
+    look = torchrun(work, "--checkpoint.load_step", "4", "--checkpoint.load_only", "--training.steps", "12",
+                    fault="sigterm_after_step@5:0", loss_log="look.jsonl")
     assert "Training starts at step 5" in look.stdout and "recovered step 4 from the pfs tier" in look.stdout
+    assert "sigterm_after_step at step 5" in look.stdout and max(losses(work, "look.jsonl")) < 8
     assert [files_of(work / "dump"), files_of(work / "local")] == before
     assert sorted(p.parent.name for p in job_dir(work).glob("step-*/COMMIT.json")) == ["step-10", "step-12", "step-8"]
     proc = _killed(torchrun(work, "--checkpoint.load_step", "4", fault="kill_after_step@7:1", loss_log="run2.jsonl"))
