@@ -79,6 +79,8 @@ class TierSettings:
     background_idle: bool = False  # the copy, the drain's checksums, background gloo threads: SCHED_IDLE while on time
     helper_process: bool = False  # the local data file written by a helper process (tiers/byte_helper.py)
     local_reshard: bool = True  # another layout's local step resharded from the node folder (tiers/reshard.py)
+    # load_only (a look at a step): recovery writes nothing into the tiers, no timeline is left
+    read_only: bool = False
 
     @property
     def layout_tag(self) -> dict:
@@ -138,9 +140,6 @@ class Recovery:
     bytes_total: dict = field(default_factory=dict)  # summed over ranks
     skipped: list = field(default_factory=list)  # (tier, step, reason)
     steps_found: list = field(default_factory=list)  # every step of this job some tier holds
-
-
-LOOK_FETCHES = "load_only = true fetches nothing into them"
 
 
 class TieredCheckpointer:
@@ -334,7 +333,10 @@ class TieredCheckpointer:
         the job left (steps that failed their checks, another layout's, all of them after
         `load_step`), go: the local ones removed (LocalTier.drop_after), the PFS ones set
         aside (PfsFolder.set_aside_after): none is loaded by a later restart in place of
-        the new run's steps, nor keeps retention's slots from them."""
+        the new run's steps, nor keeps retention's slots from them. A look (read_only)
+        saves nothing: it starts no new timeline, and nothing goes."""
+        if self.s.read_only:
+            return
         self.schedule.start_at(step)
         dropped = self.local.drop_after(step)
         if dropped:
@@ -605,8 +607,7 @@ class TieredCheckpointer:
         if self._ended:
             self.pfs.release_spares()
 
-    def recover(self, load_resharded: Callable[[Any], int] | None = None, only_step: int = -1,
-                read_only: bool = False) -> Recovery:
+    def recover(self, load_resharded: Callable[[Any], int] | None = None, only_step: int = -1) -> Recovery:
         """Collective: agree on the newest checkpoint every rank can load (`only_step`, if
         not -1: that step alone, from whichever tier holds it: torchtitan's load_step), fetch
         missing local parts from the nodes holding replicas, verify, and return it
@@ -616,15 +617,15 @@ class TieredCheckpointer:
         raises on every rank alike), the next candidate is tried and loads over it
         (`partly_loaded` says whether it must: the caller refuses a model-only one). An
         error of the job's own state (a dataloader refusing another DP degree) is raised:
-        the PFS step would meet it too. `read_only` (load_only: a look at a step) writes
-        nothing into the node folders: no marks, no fetched parts (a reshard that would
-        fetch some is skipped; the PFS step loads instead)."""
+        the PFS step would meet it too. With `read_only` (load_only: a look at a step) it
+        writes nothing into the node folders: no marks, no fetched parts (a reshard that
+        would fetch some is skipped; the PFS step loads instead)."""
         rec = Recovery(None)
         gathered: list = [None] * self.s.world_size
         held = self.local.held_parts(self.s.layout_tags)
         other = self.local.other_layout_steps(held, self.s.layout_tags)
         try:
-            if not read_only:
+            if not self.s.read_only:
                 self.local.mark_old_layout(other, held)
         except OSError as e:  # retention then counts them as this run's: worth a line, not the job
             log.warning(f"[titan_ckpt_plus] could not mark local steps {sorted(other)} as another layout's: {e!r}")
@@ -638,10 +639,11 @@ class TieredCheckpointer:
                   else "local_reshard = false")
         for step in sorted(s for s in other if not any(s in r for r in reports) and s not in reshardable):
             rec.skipped.append(("local", step, f"{other[step]} ({unless}: only a PFS step reshards)"))
-        if read_only:  # a reshard that fetches parts writes them into node folders
+        if self.s.read_only:  # a reshard that fetches parts writes them into node folders
             for step in [s for s, (_, plan) in reshardable.items() if plan]:
                 del reshardable[step]
-                rec.skipped.append(("local", step, f"node folders lack parts of it, and {LOOK_FETCHES}"))
+                rec.skipped.append(("local", step, "node folders lack parts of it, and load_only = true "
+                                    "fetches nothing into them"))
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
         pfs_steps = self.pfs.steps()
@@ -757,7 +759,7 @@ class TieredCheckpointer:
     def _fetch_read(self, step: int, world_size: int, order: list, read: set[int], rec: Recovery,
                     fetched: list) -> str:
         """Collective, from the reader's read_data once DCP has planned which old ranks'
-        parts each rank reads (`read`): of `plan`, the parts a node folder lacks and some
+        parts each rank reads (`read`): of `order`, the parts a node folder lacks and some
         rank of the node reads, fetched whole by its first rank. A node that lost a neighbor
         reads a few parts, not the whole step; those go in `fetched`. "" or why not, the
         same on every rank."""

@@ -26,7 +26,7 @@ from torchtitan.tools.logging import logger
 
 from titan_ckpt_plus import config, cpu_fallback, digest, faults, flavors, identity, priority
 from titan_ckpt_plus.adapters import torchtitan_v022_data
-from titan_ckpt_plus.checkpointer import LOOK_FETCHES, TieredCheckpointer, TierSettings
+from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.optimizer_state import OptimizerStateCache
 from titan_ckpt_plus.placement import PlacementError, ReplicaPlacement
 from titan_ckpt_plus.policy.ledger import FAILURE_CLASSES, FailureLedger
@@ -90,6 +90,7 @@ class TieredCheckpointManager(_StockManager):
             background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
             helper_process=getattr(checkpoint_config, "helper_process", False) and not self.load_only,
             local_reshard=getattr(checkpoint_config, "local_reshard", True),
+            read_only=self.load_only,
         )
         # load_only (a look at a step, saving nothing) leaves the job's records as they were:
         # its start would read as an incarnation that failed, and shorten the job's intervals.
@@ -474,12 +475,11 @@ class TieredCheckpointManager(_StockManager):
         if step == 0:  # the model-only seed checkpoint, loaded as stock does; the steps after it go
             loaded = super().load(step)
             if loaded:
-                self._resumed_at(0)
+                self.tiered.resumed_at(0)
             return loaded
         t0 = time.monotonic()
         rec = self.tiered.recover(lambda reader: reader.load(self._states_to_load(model_only=False)),
-                                  only_step=step,  # load_step: from whichever tier holds it
-                                  read_only=self.load_only)
+                                  only_step=step)  # load_step: from whichever tier holds it
         for tier, s, why in rec.skipped:
             logger.warning(f"[titan_ckpt_plus] skipped {tier} step {s}: {why}")
         if rec.tier is None:
@@ -487,7 +487,6 @@ class TieredCheckpointManager(_StockManager):
             if step != -1 and rec.steps_found:
                 refuse_a_missing_load_step(step, rec)
             if rec.skipped:  # this job has steps, and none fits: starting over would lose them
-                look = any(LOOK_FETCHES in why for _, _, why in rec.skipped)
                 raise RuntimeError(
                     "[titan_ckpt_plus] this job has checkpoints but none can be loaded here "
                     "(see the warnings above: a failed check, or local steps of another "
@@ -497,7 +496,7 @@ class TieredCheckpointManager(_StockManager):
                     "they were saved with, or move "
                     f"{self.folder} and the local folders aside to start from scratch"
                     + (", or run once without load_only (it fetches the parts the node folders lack)"
-                       if look else "") + ".")
+                       if self.load_only else "") + ".")
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
         refuse_a_partial_state(rec)
         model_only = rec.step == 0  # a seed checkpoint: from the PFS alone, as stock loads it
@@ -522,7 +521,7 @@ class TieredCheckpointManager(_StockManager):
         logger.info(f"[titan_ckpt_plus] recovered step {rec.step} from the {source} tier in "
                     f"{seconds:.2f}s (bytes read, all ranks: local disk {total['local']}, "
                     f"from peers {total['peer']}, pfs {total['pfs']})")
-        self._resumed_at(rec.step)
+        self.tiered.resumed_at(rec.step)
         if self._digests.path:  # what the load wrote alone (after a model-only one, no optimizer)
             self._digests.record("load", rec.step, self._state(self._states_to_load(model_only)),
                                  dist.get_world_size())
@@ -534,12 +533,6 @@ class TieredCheckpointManager(_StockManager):
                            parts_lacking=rec.parts_lacking,
                            skipped=[list(x) for x in rec.skipped])
         return True
-
-    def _resumed_at(self, step: int) -> None:
-        """The steps after the one loaded go (TieredCheckpointer.resumed_at), unless the
-        job saves nothing (load_only: a look at a step starts no new timeline)."""
-        if not self.load_only:
-            self.tiered.resumed_at(step)
 
     def _release_job_lock(self) -> None:
         lock, self._job_lock = getattr(self, "_job_lock", None), None
