@@ -5,6 +5,7 @@ One uninterrupted reference run; every other run is compared with it bit for bit
 
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from harness import (ckpt_events, copy_run, files_of, flip_byte, job_dir, load_digests, losses, ok, output, pfs_step,
                      torchrun)
+from titan_ckpt_plus.tiers.local import JobLock
 
 pytestmark = pytest.mark.e2e
 STEPS = 12
@@ -91,15 +93,23 @@ def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(refere
     load_step no tier holds stops the job before its first step, naming the steps there;
     with load_only (a look at an old step) nothing is removed, moved or written: not in
     the tiers, nor in the job's events and failure ledger (its start would count as a
-    failure of the job's), and a SIGTERM ends it."""
+    failure of the job's), it lets the node folder's lock go once loaded (the job may
+    restart there while it runs), and a SIGTERM ends it."""
     work = copy_run(reference, tmp_path / "work")
     before = [files_of(work / "dump"), files_of(work / "local")]
-    # load_only: a look at step 4, moving nothing; a preemption notice after its step 5 ends it
-    # there, as it ends stock torchtitan's run (a look saves nothing: no grace period to use)
+    # load_only: a look at step 4, moving nothing; a preemption notice after its step 8 ends it
+    # there, as it ends stock torchtitan's run (a look saves nothing: no grace period to use).
+    # Once loaded it lets the node folder's lock go: the job may restart there meanwhile.
+    probe = _LockProbe(work, "look.jsonl", after=5)
+    probe.start()
     look = torchrun(work, "--checkpoint.load_step", "4", "--checkpoint.load_only", "--training.steps", "12",
-                    fault="sigterm_after_step@5:0", loss_log="look.jsonl")
+                    fault="sigterm_after_step@8:0", loss_log="look.jsonl")
+    probe.join(timeout=10)
     assert "Training starts at step 5" in look.stdout and "recovered step 4 from the pfs tier" in look.stdout
-    assert "sigterm_after_step at step 5" in look.stdout and max(losses(work, "look.jsonl")) < 8
+    assert "sigterm_after_step at step 8" in look.stdout and max(losses(work, "look.jsonl")) < 11
+    assert probe.holder == "" and probe.steps_then < len(losses(work, "look.jsonl")), \
+        f"the look held the lock after loading: {probe.holder!r}, {probe.steps_then} steps then"
+    probe.lock.release()
     assert [files_of(work / "dump"), files_of(work / "local")] == before
     assert sorted(p.parent.name for p in job_dir(work).glob("step-*/COMMIT.json")) == ["step-10", "step-12", "step-8"]
     proc = _killed(torchrun(work, "--checkpoint.load_step", "4", fault="kill_after_step@7:1", loss_log="run2.jsonl"))
@@ -119,6 +129,25 @@ def test_load_step_goes_back_and_the_steps_it_left_are_never_loaded_again(refere
     ran, ref = losses(work, "run2.jsonl"), losses(reference)
     assert [ran[s] for s in (5, 6, 7)] == [ref[s] for s in (5, 6, 7)]
     _same_losses_from(work, reference, 7, "run3.jsonl")
+
+
+class _LockProbe(threading.Thread):
+    """Beside a look: once it has logged step `after`, takes the node folder's job lock
+    (the look lets it go once loaded) and holds it. `steps_then`: the steps the look had
+    logged by then; fewer than it logs in the end shows it was still running."""
+
+    def __init__(self, work: Path, log: str, after: int) -> None:
+        super().__init__(daemon=True)
+        self.work, self.log, self.after = work, log, after
+        self.lock, self.holder, self.steps_then = None, "never tried", 0
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 240
+        while self.after not in losses(self.work, self.log) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.lock = JobLock(str(job_dir(self.work)))
+        self.holder = self.lock.acquire()
+        self.steps_then = len(losses(self.work, self.log))
 
 
 @pytest.fixture(scope="module")
