@@ -13,7 +13,8 @@
     .venv/bin/python scripts/bench_overhead.py [--update BENCHMARKS.md] [--models debugmodel,100M,...]
 
 debugmodel and the 100M flavor, 2 CPU ranks, local every 3 steps, PFS every 6; debugmodel
-with the staging copy in save() (staging_copy = "save"), and with the checkpointer's threads
+with the staging copy on its thread (staging_copy = "thread": "auto", the default, copies
+debugmodel's state in save() on a CPU, 100M's on the thread), and with the checkpointer's threads
 in the normal class throughout (background_policy = "normal"); and debugmodel on one rank,
 which leaves one of the 2 cores to the checkpointer's threads.
 """
@@ -51,8 +52,8 @@ MODELS = {
     # row: (torchtitan flavor, seq_len, local batch, steps, ranks, plugin keys)
     "debugmodel": ("debugmodel", 128, 2, 62, 2, ()),
     "100M": ("100M", 32, 1, 38, 2, ()),
-    # the staging copy in save(), on the training thread, side by side with its own thread's
-    "debugmodel-copyinsave": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.staging_copy=save",)),
+    # the staging copy on its own thread, side by side with the default's copy in save()
+    "debugmodel-copythread": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.staging_copy=thread",)),
     # the threads in the normal class throughout, side by side with the default ("auto":
     # SCHED_IDLE while on time, where the kernel lets a late thread come back)
     "debugmodel-normal": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.background_policy=normal",)),
@@ -64,7 +65,7 @@ MODELS = {
     "debugmodel-helper": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.helper_process",)),
     "100M-helper": ("100M", 32, 1, 38, 2, ("--checkpoint.helper_process",)),
 }
-LABELS = {"debugmodel-copyinsave": "debugmodel, staging_copy = \"save\" (not the default)",
+LABELS = {"debugmodel-copythread": "debugmodel, staging_copy = \"thread\" (not the default)",
           "debugmodel-normal": "debugmodel, background_policy = \"normal\" (not the default)",
           "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)",
           "debugmodel-helper": "debugmodel, helper_process = true (not the default)",
@@ -83,12 +84,15 @@ non-tensor items are serialized, each value once. The period column sums every s
 extra time over a PFS period (two local saves, one of them drained), so work moved from one
 step to another shows there: starting a drain one step later (tried) moved +0.05 off the
 drain's step and added +0.09 to the period (4 jobs each way, interleaved), so drains start at
-once. The staging copy in save() (the "save" row) against its own thread, on 2 ranks:
-debugmodel's period cost less in save() each time it was compared (+0.35 / +0.44 in 7
-interleaved A/B jobs each way, and in this table's rows), 100M's more (+0.40 / +0.26, 3
-jobs each way), each job's figures +-0.05 or more apart; in save() the copy also blocks
-training for all of its length (100M: about 70 ms), so the copy thread stays the default.
-With a core to spare (1 rank) the copy thread cost +0.11 against +0.20 in save() (3 each).
+once. The staging copy in save() against its own thread, on 2 ranks: debugmodel's period
+cost less in save() each time it was compared (+0.35 / +0.44 in 7 interleaved A/B jobs each
+way; +0.20 / +0.24 in session 39's rows), 100M's more (+0.40 / +0.26, 3 jobs each way), each
+job's figures +-0.05 or more apart; in save() the copy also blocks training for all of its
+length (100M: about 100 ms with its CRC). With a core to spare (1 rank) the copy thread cost
++0.11 against +0.20 in save() (3 each). So staging_copy = "auto", the default, copies in
+save() where no accelerator is used and the node's ranks fill the cores, while the last copy
+took under 20 ms of CPU (debugmodel's about 12 ms), and on the thread otherwise (100M's; the
+"thread" row is debugmodel's copies on the thread).
 The CPU column is each background thread's
 own CPU time on rank 0 (kernel time included); the phase lines split it (median of the later
 saves and drains; rank 1 writes no .metadata). The staging buffer is on transparent huge pages

@@ -62,6 +62,28 @@ def test_async_mode_with_the_tiers_on_is_said_at_start_not_ignored(tmp_path):
     assert config.async_mode_note(off) is None
 
 
+def test_staging_copy_auto_may_copy_in_save_only_on_a_cpu_machine_whose_cores_training_fills(monkeypatch):
+    """"auto" leaves the choice to the copy's measured cost only without an accelerator
+    (a GPU's copy is a DMA beside the training stream) and where the node's ranks, with
+    torch's threads each, use every core (a spare core takes a thread's copy off
+    training's); else the thread. "thread" and "save" are taken as they are."""
+    import torch
+
+    from titan_ckpt_plus import cpu_fallback
+
+    auto, save = config.Checkpoint(staging_copy="auto"), config.Checkpoint(staging_copy="save")
+    assert config.Checkpoint().staging_copy == "auto"
+    assert config.staging_copy(auto, accelerator=False, fills_cores=True) == "auto"
+    assert config.staging_copy(auto, accelerator=True, fills_cores=True) == "thread"
+    assert config.staging_copy(auto, accelerator=False, fills_cores=False) == "thread"
+    assert config.staging_copy(save, accelerator=True, fills_cores=False) == "save"
+    monkeypatch.setattr(cpu_fallback.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert [cpu_fallback.training_fills_cores(n) for n in (1, 3, 4, 8)] == [False, False, True, True]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert [cpu_fallback.training_fills_cores(n) for n in (1, 2)] == [False, True]
+
+
 def test_unknown_key_names_the_key(tmp_path):
     from torchtitan.config import ConfigManager
 

@@ -537,7 +537,7 @@ def test_the_copy_thread_checksums_what_it_staged_and_the_writer_does_not(one_ra
 
 
 def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(one_rank, tmp_path):
-    """staging_copy = "save" (prefer_copy_in_save): the copy runs inside save() on the
+    """staging_copy = "save": the copy runs inside save() on the
     training thread. While a drain still reads the buffer (its loan not returned),
     taking the buffer back could wait on the PFS, so that save's copy goes to the copy
     thread and save() returns at once; once a real drain has returned its loan, save()
@@ -545,7 +545,7 @@ def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(
     from titan_ckpt_plus.drain import StagedBytes
 
     state = _state()
-    ckpt = _engine(tmp_path, state, device_copy.Device(), prefer_copy_in_save=True)
+    ckpt = _engine(tmp_path, state, device_copy.Device(), staging_copy="save")
     ckpt.save(2)
     assert ckpt._pending_job.copy_thread == "MainThread" and not ckpt._pending  # done in save()
     for t in state.values():
@@ -581,3 +581,31 @@ def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(
     ckpt.close()
     assert all(torch.equal(_committed(ckpt, 6)[k], v) for k, v in want6.items())
     assert all(torch.equal(_committed(ckpt, 8)[k], v) for k, v in state.items())
+
+
+def test_staging_copy_auto_copies_in_save_once_a_copy_proved_short(one_rank, tmp_path, monkeypatch):
+    """staging_copy = "auto" (as config.staging_copy leaves it on a CPU machine whose
+    cores training fills): the first copy runs on the copy thread, and measures its CPU
+    time; the next ones run in save() while the last took under INLINE_COPY_CPU_S, and
+    go back to the thread once one took longer. (The bound is 1 s here: this host's
+    load must not decide the test.)"""
+    from titan_ckpt_plus import checkpointer
+
+    monkeypatch.setattr(checkpointer, "INLINE_COPY_CPU_S", 1.0)
+    state = _state()
+    ckpt = _engine(tmp_path, state, device_copy.Device(), staging_copy="auto")
+    where, measured = [], []
+    for step in (2, 4, 6, 8):
+        for t in state.values():
+            t.add_(1)
+        if step == 6:  # as if step 4's copy had been long: step 6's goes back to the thread
+            ckpt._last_copy_cpu_s = 1.0
+        ckpt.save(step)
+        ckpt.wait_for_staging()
+        where.append(ckpt._pending_job.copy_thread)
+        measured.append(ckpt._last_copy_cpu_s)
+        ckpt._write_q.join()
+        assert all(torch.equal(_committed(ckpt, step)[k], v) for k, v in state.items())
+    assert where == ["ckpt-staging-copy", "MainThread", "ckpt-staging-copy", "MainThread"]
+    assert all(0 < m < 1.0 for m in measured), measured  # each copy measured itself
+    ckpt.close()

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.e2e
 STEPS = ("--training.steps", "8")
 # Step 4's copy starts late, while step 5 runs: it must still stage step 4's state. The
 # kill comes with step 6's save, which rank 1 never writes: step 4 is the newest commit.
+# The copy thread, as on a GPU (staging_copy "auto" copies this small a state in save()
+# on a CPU); the resumed run takes the default.
 FAULTS = "slow_staging@4,kill_after_step@6:1"
+THREAD = ("--checkpoint.staging_copy", "thread")
 PP = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
       "--parallelism.pipeline_parallel_microbatch_size", "1")
 # Without bf16 dot products its bf16 experts ran 2.7x slower (64 s a run against 24): fp32
@@ -81,9 +84,12 @@ def _loads_match_saves(work, nproc: int, step: int) -> None:
 def test_killed_at_step_6_resumes_from_local_step_4(name, tmp_path):
     nproc, args, exact = VARIANTS[name]
     work = tmp_path / "run"
-    proc = torchrun(work, *args, *STEPS, nproc=nproc, fault=FAULTS, loss_log="run1.jsonl")
+    proc = torchrun(work, *args, *STEPS, *THREAD, nproc=nproc, fault=FAULTS, loss_log="run1.jsonl")
     assert proc.returncode != 0 and "SIGKILL" in proc.stdout, output(proc)
     assert "slow_staging at step 4" in proc.stdout  # the late copy did happen
+    (stage4,) = [e for e in ckpt_events(work, "stage") if e["step"] == 4]  # and overlapped step 5
+    in_backward = "--optimizer.early_step_in_backward" in args  # which copies in save()
+    assert stage4["copy_thread"] == ("MainThread" if in_backward else "ckpt-staging-copy")
     ok(torchrun(work, *args, *STEPS, nproc=nproc, loss_log="run2.jsonl"))
     rec = _recovered(work)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 4, 0)

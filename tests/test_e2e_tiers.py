@@ -75,9 +75,14 @@ def test_stock_torchtitan_resumes_from_a_drained_pfs_step(tmp_path):
 
 
 def test_sigkill_mid_training_resumes_bit_exact_from_newest_local_step(reference, tmp_path):
+    """With staging_copy = "auto" (the default) on this CPU, the first copy runs on the
+    copy thread and measures itself, the next ones in save() (the tiny state's copy is
+    short); the matrix's killed runs keep the thread, as on a GPU."""
     _killed(torchrun(tmp_path, fault="kill_after_step@7:1", loss_log="run1.jsonl"))
     newest = max(e["step"] for e in ckpt_events(tmp_path, "local_commit"))
     assert newest == 6
+    where = {e["step"]: e["copy_thread"] for e in ckpt_events(tmp_path, "stage")}
+    assert where[2] == "ckpt-staging-copy" and "MainThread" in (where[4], where[6]), where
     ok(torchrun(tmp_path, loss_log="run2.jsonl"))
     rec = _recovery(tmp_path)
     assert (rec["tier"], rec["step"], rec["bytes_pfs"]) == ("local", 6, 0)

@@ -368,6 +368,6 @@ def test_background_nice_out_of_range_is_refused_naming_the_key(bad, tmp_path):
 def test_staging_copy_unknown_is_refused_naming_the_key(tmp_path):
     ckpt = config.Checkpoint(tier_local=True, local_folder=str(tmp_path / "l"), staging_copy="inline")
     ckpt.enable, ckpt.interval, ckpt.keep_latest_k, ckpt.folder = True, 10, 3, "checkpoint"
-    with pytest.raises(config.ConfigError, match=r"staging_copy = 'inline' is unknown. Fix: \"thread\""):
+    with pytest.raises(config.ConfigError, match=r"staging_copy = 'inline' is unknown. Fix: \"auto\" \(the default\), \"thread\""):
         config.validate(ckpt, str(tmp_path / "dump"))
 

@@ -48,6 +48,9 @@ from titan_ckpt_plus.votes import GlooVotes, HubVotes
 log = __import__("logging").getLogger("titan_ckpt_plus")
 
 HUB_TIMEOUT_S = 1800.0  # an exchange through the hub times out as a gloo group does by default
+# staging_copy = "auto" on a CPU: a copy (and its CRC) of less CPU time than this runs in
+# save(); debugmodel's 36 MiB take about 12 ms, 100M's 293 MiB about 100 ms (BENCHMARKS.md)
+INLINE_COPY_CPU_S = 0.02
 
 
 @dataclass
@@ -69,10 +72,11 @@ class TierSettings:
     # False when the parameters change during backward (optimizer.early_step_in_backward):
     # the copy then completes inside save(), so the staged state is the step boundary's.
     overlap_copy: bool = True
-    # [checkpoint] staging_copy = "save": the copy runs in save(), except while a drain
-    # still reads the buffer (taking it back may wait on the PFS); overlap_copy = False
-    # is a must, this a preference.
-    prefer_copy_in_save: bool = False
+    # where the copy runs ([checkpoint] staging_copy, "auto" resolved by config.staging_copy):
+    # "thread", "save", or "auto" (save() while a copy is short: _copy_in_save); never
+    # save() while a drain still reads the buffer (taking it back may wait on the PFS).
+    # overlap_copy = False is a must, this a preference.
+    staging_copy: str = "thread"
     last_step_export: bool = False  # torchtitan's export takes step-N on the PFS (tiers/pfs.py)
     pfs_reuse_files: bool = True  # purged PFS data files are written over by the next drain
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
@@ -170,6 +174,7 @@ class TieredCheckpointer:
         self._pending_delta = 0.0
         self._pending_wait = 0.0
         self._pending_job: _Job | None = None
+        self._last_copy_cpu_s = float("inf")  # the first copy runs on the thread (staging_copy "auto")
         self._ended = False  # the last step saved and flushed (save(last_step=True))
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
@@ -380,8 +385,7 @@ class TieredCheckpointer:
             job.helper = self.helper
             job.progress.sums = False  # the helper checksums the bytes as it writes them
         self.background.begin(("write", step))
-        inline = (last_step or not self.s.overlap_copy
-                  or (self.s.prefer_copy_in_save and not self._buffer_lent()))
+        inline = last_step or not self.s.overlap_copy or self._copy_in_save()
         try:
             c0 = time.monotonic()  # after the wait for the buffer: capture alone
             captured = self.capture()
@@ -404,7 +408,7 @@ class TieredCheckpointer:
         else:
             # After capture: the copy waits for every kernel queued so far, the update too.
             self._pending_copy = copy = self.device.save_point()
-            if inline:  # the last step (flushed below), no overlap, or staging_copy = "save"
+            if inline:  # the last step (flushed below), no overlap, or _copy_in_save()
                 self._copy(job, tensors, copy)
             else:
                 self._copy_q.put((job, tensors, copy))
@@ -427,6 +431,17 @@ class TieredCheckpointer:
         if self.background.promotions > promotions:
             self.events.record("background_late", step=step, late=[f"{k} {s}" for k, s in late],
                                promoted=self.background.enabled)
+
+    def _copy_in_save(self) -> bool:
+        """staging_copy = "save"; or "auto" (a CPU machine whose cores training fills,
+        config.staging_copy) while the last copy took under INLINE_COPY_CPU_S: training
+        then waits less for it in save() than a copy thread, taking its CPU time from
+        training anyway, costs it in hand-overs (BENCHMARKS.md, "The staging copy's
+        place chosen by its cost"). Never while a drain still reads the buffer: taking
+        it back may wait on the PFS."""
+        if self.s.staging_copy == "thread" or self._buffer_lent():
+            return False
+        return self.s.staging_copy == "save" or self._last_copy_cpu_s < INLINE_COPY_CPU_S
 
     def _buffer_lent(self) -> bool:
         """Whether a drain still reads the staging buffer (a loan it has not returned)."""
@@ -479,7 +494,7 @@ class TieredCheckpointer:
         finally:
             copy.issued.set()  # a copy that failed before it began must not hang the wait
             job.staging_s = time.monotonic() - job.started
-            job.staging_cpu_s = time.thread_time() - cpu0
+            job.staging_cpu_s = self._last_copy_cpu_s = time.thread_time() - cpu0
             job.staged.set()
 
     def wait_for_staging(self) -> None:

@@ -117,13 +117,18 @@ class Checkpoint:
     scheduler's normal class, the writer and the drain at background_nice. "auto" (the
     default): "idle" where the threads may come back, else "normal"."""
 
-    staging_copy: str = "thread"
+    staging_copy: str = "auto"
     """Where a save's copy of the state into the staging buffer runs: "thread" (the copy
-    thread, on the copy stream with a GPU: it overlaps forward and backward) or "save"
-    (inside save(), on the training thread, which then waits for it). On a CPU machine
-    whose cores training keeps busy, which costs the steps less depends on the model
-    (BENCHMARKS.md, the overhead section: debugmodel's saves less in save(), 100M's
-    less on the thread); "save" blocks training for the whole copy."""
+    thread, on the copy stream with a GPU: it overlaps forward and backward), "save"
+    (inside save(), on the training thread, which then waits for it), or "auto" (the
+    default): the thread with a GPU or a core training leaves spare; on a CPU-only
+    machine whose cores the node's ranks fill, save() while the last copy took under
+    20 ms of CPU, else the thread (the first copy runs on the thread and measures
+    itself). There a thread's copy takes its CPU time from training anyway, and its
+    hand-overs cost more than a short copy in save() (BENCHMARKS.md, "The staging
+    copy's place chosen by its cost": debugmodel's 36 MiB a rank commit sooner, and its
+    PFS periods cost less, in save(); 100M's 293 MiB cost the steps less on the
+    thread). A copy in save() while a drain still reads the buffer goes to the thread."""
 
     helper_process: bool = False
     """Write each rank's local data file from a helper process (one per rank, without
@@ -198,7 +203,7 @@ def _validate_adaptive(ckpt) -> None:
                           'Fix: "young" or "daly".')
 
 
-STAGING_COPY = ("thread", "save")
+STAGING_COPY = ("auto", "thread", "save")
 
 
 BACKGROUND_POLICY = ("auto", "idle", "normal")
@@ -213,6 +218,16 @@ def background_idle(ckpt, can_leave_idle: bool) -> bool:
 def background_nice(ckpt, accelerator: bool) -> int:
     """The nice increment of the background threads, `auto` (-1) resolved."""
     return ckpt.background_nice if ckpt.background_nice >= 0 else (10 if accelerator else 0)
+
+
+def staging_copy(ckpt, accelerator: bool, fills_cores: bool) -> str:
+    """staging_copy for the checkpointer: "auto" stays (a copy in save() while short,
+    TieredCheckpointer._copy_in_save) only on a CPU machine whose cores training fills;
+    else the thread: a GPU's copy is a DMA beside the training stream, and a spare
+    core takes a thread's copy off training's."""
+    if ckpt.staging_copy != "auto" or (fills_cores and not accelerator):
+        return ckpt.staging_copy
+    return "thread"
 
 
 def async_mode_note(ckpt) -> str | None:
@@ -303,10 +318,10 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"auto\" "
             "(the default), \"idle\" (SCHED_IDLE while on time) or \"normal\" (nice background_nice).")
-    if getattr(ckpt, "staging_copy", "thread") not in STAGING_COPY:
+    if getattr(ckpt, "staging_copy", "auto") not in STAGING_COPY:
         raise ConfigError(
-            f"[checkpoint] staging_copy = {ckpt.staging_copy!r} is unknown. Fix: \"thread\" (the "
-            'default: the copy overlaps forward and backward) or "save" (the copy runs in save()).')
+            f"[checkpoint] staging_copy = {ckpt.staging_copy!r} is unknown. Fix: \"auto\" (the "
+            'default), "thread" (the copy overlaps forward and backward) or "save" (the copy runs in save()).')
     _validate_adaptive(ckpt)
     local = resolve_local_folder(ckpt.local_folder)
     pfs = os.path.abspath(os.path.join(dump_folder, ckpt.folder))

@@ -39,6 +39,12 @@ def accelerator_present() -> bool:
     return torch._utils._get_available_device_type() is not None
 
 
+def training_fills_cores(local_ranks: int) -> bool:
+    """Whether this node's ranks, each with torch's intra-op threads, keep every core
+    this process may use busy: a background thread's CPU then comes out of training's."""
+    return local_ranks * torch.get_num_threads() >= len(os.sched_getaffinity(0))
+
+
 def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bf16 natively (avx512_bf16 or amx_bf16 among its
     /proc/cpuinfo flags; True where they cannot be read). Without, torch's bf16 GEMMs on

@@ -68,6 +68,8 @@ class TieredCheckpointManager(_StockManager):
                         "before the next step starts (no overlap with forward/backward)")
         self.job = self._establish_identity(checkpoint_config.adopt_job, base_folder)
         node_folder = config.resolve_local_folder(checkpoint_config.local_folder)
+        accelerator = cpu_fallback.accelerator_present()
+        fills_cores = cpu_fallback.training_fills_cores(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         settings = TierSettings(
             local_root=job_dir(node_folder, self.job.job_id),
             pfs_folder=self.folder,
@@ -84,9 +86,9 @@ class TieredCheckpointManager(_StockManager):
             pin=torch.cuda.is_available(),
             replication_backend=checkpoint_config.replication_backend,
             overlap_copy=not in_backward,
-            prefer_copy_in_save=checkpoint_config.staging_copy == "save",
+            staging_copy=config.staging_copy(checkpoint_config, accelerator, fills_cores),
             last_step_export=self._last_step_is_export(),
-            background_nice=config.background_nice(checkpoint_config, cpu_fallback.accelerator_present()),
+            background_nice=config.background_nice(checkpoint_config, accelerator),
             background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
             helper_process=getattr(checkpoint_config, "helper_process", False) and not self.load_only,
             local_reshard=getattr(checkpoint_config, "local_reshard", True),
