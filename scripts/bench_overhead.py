@@ -88,7 +88,7 @@ once. The staging copy in save() against its own thread, on 2 ranks: debugmodel'
 cost less in save() each time it was compared (+0.35 / +0.44 in 7 interleaved A/B jobs each
 way; +0.20 / +0.24 in session 39's rows), 100M's more (+0.40 / +0.26, 3 jobs each way), each
 job's figures +-0.05 or more apart; in save() the copy also blocks training for all of its
-length (100M: about 100 ms with its CRC). With a core to spare (1 rank) the copy thread cost
+length (100M: about 140 ms with its CRC). With a core to spare (1 rank) the copy thread cost
 +0.11 against +0.20 in save() (3 each). So staging_copy = "auto", the default, copies in
 save() where no accelerator is used and the node's ranks fill the cores, while the last copy
 took under 20 ms of CPU (debugmodel's about 12 ms), and on the thread otherwise (100M's; the

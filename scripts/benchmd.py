@@ -85,6 +85,9 @@ def replace_rows(path: Path, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # a "--help" would be written as a file
+        sys.exit("usage: benchmd.py BENCHMARKS.md [--rows] NAME...: the targets table from the scripts' "
+                 "recorded rows (all of them, or with --rows only those rows replaced)")
     if sys.argv[2:3] == ["--rows"]:  # benchmd.py FILE --rows NAME...: only those rows
         replace_rows(Path(sys.argv[1]), sys.argv[3:])
         sys.exit()

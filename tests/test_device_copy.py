@@ -602,9 +602,9 @@ def test_staging_copy_auto_copies_in_save_once_a_copy_proved_short(one_rank, tmp
             ckpt._last_copy_cpu_s = 1.0
         ckpt.save(step)
         ckpt.wait_for_staging()
+        ckpt._write_q.join()  # the writer waits for the whole copy, its measure too
         where.append(ckpt._pending_job.copy_thread)
         measured.append(ckpt._last_copy_cpu_s)
-        ckpt._write_q.join()
         assert all(torch.equal(_committed(ckpt, step)[k], v) for k, v in state.items())
     assert where == ["ckpt-staging-copy", "MainThread", "ckpt-staging-copy", "MainThread"]
     assert all(0 < m < 1.0 for m in measured), measured  # each copy measured itself

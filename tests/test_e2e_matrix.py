@@ -22,7 +22,7 @@ STEPS = ("--training.steps", "8")
 # Step 4's copy starts late, while step 5 runs: it must still stage step 4's state. The
 # kill comes with step 6's save, which rank 1 never writes: step 4 is the newest commit.
 # The copy thread, as on a GPU (staging_copy "auto" copies this small a state in save()
-# on a CPU); the resumed run takes the default.
+# on a CPU machine whose cores the ranks fill); the resumed run takes the default.
 FAULTS = "slow_staging@4,kill_after_step@6:1"
 THREAD = ("--checkpoint.staging_copy", "thread")
 PP = ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",

@@ -48,8 +48,9 @@ from titan_ckpt_plus.votes import GlooVotes, HubVotes
 log = __import__("logging").getLogger("titan_ckpt_plus")
 
 HUB_TIMEOUT_S = 1800.0  # an exchange through the hub times out as a gloo group does by default
-# staging_copy = "auto" on a CPU: a copy (and its CRC) of less CPU time than this runs in
-# save(); debugmodel's 36 MiB take about 12 ms, 100M's 293 MiB about 100 ms (BENCHMARKS.md)
+# staging_copy = "auto" on a CPU: a copy (with its CRC, where no helper process takes it)
+# of less CPU time than this runs in save(); debugmodel's 36 MiB a rank take 6-8 ms,
+# 100M's 586 MiB about 140 ms (BENCHMARKS.md)
 INLINE_COPY_CPU_S = 0.02
 
 
@@ -451,12 +452,13 @@ class TieredCheckpointer:
         """Before the buffer is written again: a drain still copying from it goes on
         from the local file. Returns `clear(upto)` for the copy (StagedBytes.take_back):
         a drain lets go only once the piece it is writing to the PFS is written, so
-        the copy may wait there for it. Called by the copy thread, not in save(): the
-        training thread must not wait on the PFS (it waits for the copy only before
-        optimizer.step()). An inline copy may wait for that one piece only on the
-        last step (which flushes anyway) and with early_step_in_backward: with
-        staging_copy = "save" the copy goes back to the copy thread while a drain still
-        reads the buffer."""
+        the copy may wait there for it. Called by the copy thread, or in save() only
+        where no drain still reads the buffer (its loans all returned: nothing to wait
+        for): the training thread must not wait on the PFS (it waits for the copy only
+        before optimizer.step()). An inline copy may wait for that one piece only on
+        the last step (which flushes anyway) and with early_step_in_backward: with
+        staging_copy "save" or "auto" the copy goes back to the copy thread while a
+        drain still reads the buffer."""
         clears = []
         while self._loans:
             clears.append(self._loans.pop().take_back())
@@ -494,7 +496,9 @@ class TieredCheckpointer:
         finally:
             copy.issued.set()  # a copy that failed before it began must not hang the wait
             job.staging_s = time.monotonic() - job.started
-            job.staging_cpu_s = self._last_copy_cpu_s = time.thread_time() - cpu0
+            job.staging_cpu_s = time.thread_time() - cpu0
+            # a copy that failed early measured nothing of a copy's cost: the next one runs on the thread
+            self._last_copy_cpu_s = job.staging_cpu_s if job.ok else float("inf")
             job.staged.set()
 
     def wait_for_staging(self) -> None:

@@ -127,7 +127,7 @@ class Checkpoint:
     itself). There a thread's copy takes its CPU time from training anyway, and its
     hand-overs cost more than a short copy in save() (BENCHMARKS.md, "The staging
     copy's place chosen by its cost": debugmodel's 36 MiB a rank commit sooner, and its
-    PFS periods cost less, in save(); 100M's 293 MiB cost the steps less on the
+    PFS periods cost less, in save(); 100M's 586 MiB cost the steps less on the
     thread). A copy in save() while a drain still reads the buffer goes to the thread."""
 
     helper_process: bool = False

@@ -42,7 +42,8 @@ def accelerator_present() -> bool:
 def training_fills_cores(local_ranks: int) -> bool:
     """Whether this node's ranks, each with torch's intra-op threads, keep every core
     this process may use busy: a background thread's CPU then comes out of training's."""
-    return local_ranks * torch.get_num_threads() >= len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return local_ranks * torch.get_num_threads() >= cores
 
 
 def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
