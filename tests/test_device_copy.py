@@ -609,3 +609,33 @@ def test_staging_copy_auto_copies_in_save_once_a_copy_proved_short(one_rank, tmp
     assert where == ["ckpt-staging-copy", "MainThread", "ckpt-staging-copy", "MainThread"]
     assert all(0 < m < 1.0 for m in measured), measured  # each copy measured itself
     ckpt.close()
+
+
+def test_staging_copy_auto_sends_the_copy_after_a_failed_one_to_the_thread(one_rank, tmp_path, monkeypatch):
+    """A copy that failed measured nothing of a copy's cost (it may have stopped at
+    once): the next one runs on the copy thread and measures itself again, instead
+    of running in save() on the failed copy's tiny CPU time."""
+    from titan_ckpt_plus import checkpointer
+
+    monkeypatch.setattr(checkpointer, "INLINE_COPY_CPU_S", 1.0)
+    state = _state()
+    ckpt = _engine(tmp_path, state, device_copy.Device(), staging_copy="auto")
+    real, where, calls = ckpt.buffer.copy_in, [], []
+
+    def fail_at_step_4(*args, **kwargs):  # the second save's copy
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("injected: the copy stopped at once")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.buffer, "copy_in", fail_at_step_4)
+    for step in (2, 4, 6):
+        ckpt.save(step)
+        ckpt.wait_for_staging()
+        ckpt._write_q.join()
+        where.append((ckpt._pending_job.copy_thread, ckpt._pending_job.ok, ckpt._last_copy_cpu_s))
+    assert [(w, ok) for w, ok, _ in where] == [("ckpt-staging-copy", True), ("MainThread", False),
+                                               ("ckpt-staging-copy", True)], where
+    assert where[1][2] == float("inf") and 0 < where[2][2] < 1.0, where
+    assert all(torch.equal(_committed(ckpt, 6)[k], v) for k, v in state.items())
+    ckpt.close()

@@ -39,11 +39,15 @@ def accelerator_present() -> bool:
     return torch._utils._get_available_device_type() is not None
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def training_fills_cores(local_ranks: int) -> bool:
     """Whether this node's ranks, each with torch's intra-op threads, keep every core
     this process may use busy: a background thread's CPU then comes out of training's."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return local_ranks * torch.get_num_threads() >= cores
+    return local_ranks * torch.get_num_threads() >= usable_cores()
 
 
 def cpu_has_bf16_dot(cpuinfo: str = "/proc/cpuinfo") -> bool:
