@@ -36,6 +36,10 @@ def test_keys_parse_from_toml_and_cli(tmp_path):
     assert ck.helper_process is False
     assert _parse(tmp_path, "--checkpoint.helper_process").checkpoint.helper_process is True
     assert ck.local_reshard is True
+    assert ck.agreements == "hub"
+    gloo = _parse(tmp_path, "--checkpoint.agreements", "gloo").checkpoint
+    assert gloo.agreements == "gloo"
+    config.validate(gloo, str(tmp_path / "dump"))  # gloo without the helper is fine
     assert _parse(tmp_path, "--checkpoint.no-local-reshard").checkpoint.local_reshard is False
 
 
@@ -103,6 +107,9 @@ def test_unknown_key_names_the_key(tmp_path):
     (["--checkpoint.local_folder", ""], "needs a node-local folder"),
     (["--checkpoint.local_folder", "/x/{rack}"], "unknown placeholder"),
     (["--checkpoint.preemption_grace_s", "-1"], "preemption_grace_s = -1"),
+    (["--checkpoint.agreements", "nccl"], "agreements = 'nccl' is unknown"),
+    (["--checkpoint.agreements", "gloo", "--checkpoint.helper_process"],
+     'agreements = "gloo" cannot be honoured with helper_process = true'),
 ])
 def test_bad_values_fail_naming_key_and_fix(tmp_path, cli, key):
     cfg = _parse(tmp_path, *cli)

@@ -83,6 +83,7 @@ class TierSettings:
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
     background_idle: bool = False  # the copy, the drain's checksums, background gloo threads: SCHED_IDLE while on time
     helper_process: bool = False  # the local data file written by a helper process (tiers/byte_helper.py)
+    agreements: str = "gloo"  # the vote's and the drain's: "hub" (tiers/hub.py, votes.HubVotes) or "gloo"
     local_reshard: bool = True  # another layout's local step resharded from the node folder (tiers/reshard.py)
     # load_only (a look at a step): recovery writes nothing into the tiers, no timeline is left
     read_only: bool = False
@@ -183,16 +184,16 @@ class TieredCheckpointer:
         if self.helper is not None:  # its checksum thread yields as the copy thread does
             self.background.adopt(self.helper.idle_tids)
         self.commit_pg = self._background_group()
-        self.hub: HubProcess | None = None  # rank 0's, with helper_process
-        hub = self._join_hub() if s.helper_process else None
+        self.hub: HubProcess | None = None  # rank 0's, with agreements = "hub"
+        hub = self._join_hub() if s.agreements == "hub" or s.helper_process else None
         # The drain and its group's gloo threads stay in the normal class but while the
         # drain checksums bytes: the rest of its time it waits (the device's flush, two
         # small collectives), and in SCHED_IDLE each wake-up waited for a free core, which
         # made debugmodel's drain 1.7x its disk bound against 1.3x, the steps the same
         # (BENCHMARKS.md, overhead).
         drain_pg = self._background_group(idle=False)
-        # The writer's vote and the drain's agreements (votes.py): through the hub by the
-        # helpers, or gloo collectives on the two threads' own groups.
+        # The writer's vote and the drain's agreements (votes.py): through the hub (by the
+        # byte helpers where they run), or gloo collectives on the two threads' own groups.
         self.votes, drain_votes = (
             (HubVotes("write", hub, s.rank, self._hub_helper, self.commit_pg),
              HubVotes("drain", hub, s.rank, self._hub_helper, drain_pg)) if hub
@@ -245,7 +246,7 @@ class TieredCheckpointer:
             return None
 
     def _join_hub(self) -> HubInfo | None:
-        """Collective, at start-up (helper_process): rank 0 starts the job's hub and
+        """Collective, at start-up (agreements = "hub"): rank 0 starts the job's hub and
         every rank learns where it is (None on every rank if it did not start: the
         agreements stay gloo collectives); this rank's helper joins it."""
         box: list = [None]

@@ -2,11 +2,13 @@
 start (every part readable, rank 0's folder cleared, the plan kept) and its gather of
 what each rank wrote. Both ways give every rank the same answer, in rank order.
 
-- GlooVotes: gloo collectives, issued by the writer's and the drain's threads (the
-  default, and whenever there is no hub).
-- HubVotes (helper_process): exchanges through the job's hub (tiers/hub.py), made by
-  the rank's byte helper, so the training process runs no collective of its own
-  during a save or a drain; once the helper is gone, by this process itself.
+- GlooVotes (agreements = "gloo", or a hub that did not start): gloo collectives,
+  issued by the writer's and the drain's threads.
+- HubVotes (agreements = "hub", the default): exchanges through the job's hub
+  (tiers/hub.py): one socket round trip from the writer's or the drain's thread, where
+  a collective wakes its group's gloo threads on every rank. With helper_process the
+  rank's byte helper makes them, so the training process runs no collective of its own
+  during a save or a drain; once the helper is gone, this process does.
 
 An exchange through the hub is named by its stream, its step, its phase ("vote",
 "start", "gather", "copied": a kept plan's gather) and how many times this rank made

@@ -91,6 +91,8 @@ class TieredCheckpointManager(_StockManager):
             background_nice=config.background_nice(checkpoint_config, accelerator),
             background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
             helper_process=getattr(checkpoint_config, "helper_process", False) and not self.load_only,
+            # a look saves nothing: no hub process for it
+            agreements="gloo" if self.load_only else getattr(checkpoint_config, "agreements", "hub"),
             local_reshard=getattr(checkpoint_config, "local_reshard", True),
             read_only=self.load_only,
         )
