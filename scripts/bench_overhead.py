@@ -598,7 +598,8 @@ def _bench_checkpointer(nbytes: int, folder: Path, nice: int, idle: bool, byte_h
     n = nbytes // 4 // 16
     state = {"model": {f"w{i}": torch.randn(n) for i in range(16)}, "train_state": {"step": 0}}
     s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 1, 2, 2, 0, 1, True, job_id="bench",
-                     background_nice=nice, background_idle=idle, helper_process=byte_helper)
+                     background_nice=nice, background_idle=idle, helper_process=byte_helper,
+                     agreements="hub")  # the product's default ([checkpoint] agreements)
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
 
     def close() -> None:
@@ -939,7 +940,7 @@ def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
     s = TierSettings(local_root=str(root / "local" / "job"), pfs_folder=str(root / "pfs"),
                      local_interval=LOCAL_EVERY, pfs_interval=PFS_EVERY, local_keep=2, pfs_keep=2,
                      rank=rank, world_size=world, first_on_node=rank == 0, node_ranks=list(range(world)),
-                     job_id="memory", background_idle=can_leave_idle())
+                     job_id="memory", background_idle=can_leave_idle(), agreements="hub")
     dist.barrier()
     gc.collect()
     peak_rss_since_last()
