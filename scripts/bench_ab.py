@@ -7,6 +7,7 @@ kind of step, where the steps' time goes, and the background threads' CPU by pha
 
     .venv/bin/python scripts/bench_ab.py --other HEAD~1 [--runs 4] [--model debugmodel]
     .venv/bin/python scripts/bench_ab.py --variant debugmodel-helper [--runs 4] [--model debugmodel]
+    .venv/bin/python scripts/bench_ab.py --other HEAD --variant debugmodel-gloo  # three sides
 
 A change to the plugin's background work moves debugmodel's step figures by less than
 they move between two such runs (BENCHMARKS.md, overhead against the bytes' own cost):
@@ -43,17 +44,20 @@ def worktree(rev: str, where: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--other", help="the revision to compare this work tree with")
-    which.add_argument("--variant", choices=sorted(bo.MODELS), help="the job to compare --model's with")
+    ap.add_argument("--other", help="the revision to compare this work tree with")
+    ap.add_argument("--variant", choices=sorted(bo.MODELS), help="the job to compare --model's with")
     ap.add_argument("--runs", type=int, default=4, help="jobs each way")
     ap.add_argument("--model", default="debugmodel", choices=sorted(bo.MODELS))
     args = ap.parse_args()
+    if not (args.other or args.variant):
+        ap.error("--other, --variant or both (three sides)")
     base = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     other = worktree(args.other, base / "other") if args.other else None
     # side name -> (checkout, job)
-    sides = ({args.other: (other, args.model), "work tree": (ROOT, args.model)} if other
-             else {args.model: (ROOT, args.model), args.variant: (ROOT, args.variant)})
+    sides = {args.other: (other, args.model)} if other else {}
+    sides["work tree" if other else args.model] = (ROOT, args.model)
+    if args.variant:
+        sides[args.variant] = (ROOT, args.variant)
     works: dict = {name: [] for name in sides}
     try:
         for i in range(args.runs):

@@ -49,8 +49,7 @@ from titan_ckpt_plus.cpu_fallback import fp32_args  # noqa: E402
 from titan_ckpt_plus.tiers import files  # noqa: E402
 from titan_ckpt_plus.config import Checkpoint  # noqa: E402
 
-# the benchmarks' own engines agree as a job does by default ([checkpoint] agreements);
-# TierSettings' own default (gloo) keeps the unit tests' engines free of a hub process
+# the benchmarks' own engines agree as a job does by default ([checkpoint] agreements)
 DEFAULT_AGREEMENTS = Checkpoint().agreements
 
 MODELS = {
@@ -69,16 +68,16 @@ MODELS = {
     # helper_process), side by side with the default (threads of the training process)
     "debugmodel-helper": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.helper_process",)),
     "100M-helper": ("100M", 32, 1, 38, 2, ("--checkpoint.helper_process",)),
-    # the ranks agreeing by gloo collectives ([checkpoint] agreements = "gloo"), side by
-    # side with the default (through the job's hub)
-    "debugmodel-gloo": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.agreements=gloo",)),
+    # the ranks agreeing through the job's hub ([checkpoint] agreements = "hub"), side by
+    # side with the default (gloo collectives)
+    "debugmodel-hub": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.agreements=hub",)),
 }
 LABELS = {"debugmodel-copythread": "debugmodel, staging_copy = \"thread\" (not the default)",
           "debugmodel-normal": "debugmodel, background_policy = \"normal\" (not the default)",
           "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)",
           "debugmodel-helper": "debugmodel, helper_process = true (not the default)",
           "100M-helper": "100M, helper_process = true (not the default)",
-          "debugmodel-gloo": "debugmodel, agreements = \"gloo\" (not the default)"}
+          "debugmodel-hub": "debugmodel, agreements = \"hub\" (not the default)"}
 LOCAL_EVERY, PFS_EVERY = 3, 6
 LAUNCH_BOUND_BYTES = 614_571_000  # 100M's state per rank (586.1 MiB), for --launch-bound-only
 BARE = ("debugmodel", "100M")  # issue 15's models get the BareMover control with --bare

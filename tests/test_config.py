@@ -36,10 +36,15 @@ def test_keys_parse_from_toml_and_cli(tmp_path):
     assert ck.helper_process is False
     assert _parse(tmp_path, "--checkpoint.helper_process").checkpoint.helper_process is True
     assert ck.local_reshard is True
-    assert ck.agreements == "hub"
+    assert ck.agreements == "auto"
     gloo = _parse(tmp_path, "--checkpoint.agreements", "gloo").checkpoint
     assert gloo.agreements == "gloo"
     config.validate(gloo, str(tmp_path / "dump"))  # gloo without the helper is fine
+    hub = _parse(tmp_path, "--checkpoint.agreements", "hub").checkpoint
+    assert hub.agreements == "hub"
+    config.validate(hub, str(tmp_path / "dump"))
+    # the default with the helper: its exchanges go through the hub, nothing to refuse
+    config.validate(_parse(tmp_path, "--checkpoint.helper_process").checkpoint, str(tmp_path / "dump"))
     assert _parse(tmp_path, "--checkpoint.no-local-reshard").checkpoint.local_reshard is False
 
 

@@ -56,11 +56,10 @@ def test_both_tiers_written_at_their_intervals(reference):
         assert (pfs / f"step-{s}" / ".metadata").is_file()
         assert (pfs / f"step-{s}" / "titan_ckpt_plus.json").is_file()
     assert len(losses(reference)) == STEPS
-    # agreements = "hub" (the default): every vote and drain agreed through the job's
-    # hub, which ended with the job
+    # agreements = "auto" (the default) without helper_process: every vote and drain
+    # agreed by gloo collectives, no hub process started
     events = ckpt_events(reference, "local_commit") + ckpt_events(reference, "pfs_commit")
-    assert {e["agreed_by"] for e in events} == {"hub"}
-    assert _helpers_left(reference) == []
+    assert {e["agreed_by"] for e in events} == {"gloo"}
 
 
 def test_stock_torchtitan_resumes_from_a_drained_pfs_step(tmp_path):
@@ -249,10 +248,12 @@ def test_a_tp_restart_of_the_fsdp_job_loads_its_newest_local_step_resharded(refe
 
 
 def test_failed_saves_are_logged_counted_and_training_goes_on(reference, tmp_path):
-    """With agreements = "gloo" (collectives instead of the hub): a failed local write
-    and a failed drain are counted and logged, and training goes on as it would."""
-    proc = ok(torchrun(tmp_path, "--checkpoint.agreements=gloo", fault="enospc_local_write@4:1,eio_pfs_write@8:0"))
-    assert {e["agreed_by"] for e in ckpt_events(tmp_path, "local_commit")} == {"gloo"}
+    """With agreements = "hub" (the job's hub instead of gloo collectives, which the
+    reference run uses): a failed local write and a failed drain are counted and logged,
+    and training goes on as it would; the hub ends with the job."""
+    proc = ok(torchrun(tmp_path, "--checkpoint.agreements=hub", fault="enospc_local_write@4:1,eio_pfs_write@8:0"))
+    assert {e["agreed_by"] for e in ckpt_events(tmp_path, "local_commit")} == {"hub"}
+    assert _helpers_left(tmp_path) == []
     failed = {(e["tier"], e["step"]) for e in ckpt_events(tmp_path, "save_failed")}
     assert ("local", 4) in failed and ("pfs", 8) in failed
     assert "No space left on device" in proc.stdout and "training continues" in proc.stdout

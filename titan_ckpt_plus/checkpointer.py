@@ -83,7 +83,8 @@ class TierSettings:
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
     background_idle: bool = False  # the copy, the drain's checksums, background gloo threads: SCHED_IDLE while on time
     helper_process: bool = False  # the local data file written by a helper process (tiers/byte_helper.py)
-    agreements: str = "gloo"  # the vote's and the drain's: "hub" (tiers/hub.py, votes.HubVotes) or "gloo"
+    agreements: str = "auto"  # the vote's and the drain's (config.Checkpoint.agreements): "hub" (tiers/hub.py,
+    # votes.HubVotes), "gloo", or "auto" (the hub with helper_process, else gloo)
     local_reshard: bool = True  # another layout's local step resharded from the node folder (tiers/reshard.py)
     # load_only (a look at a step): recovery writes nothing into the tiers, no timeline is left
     read_only: bool = False
@@ -184,7 +185,7 @@ class TieredCheckpointer:
         if self.helper is not None:  # its checksum thread yields as the copy thread does
             self.background.adopt(self.helper.idle_tids)
         self.commit_pg = self._background_group()
-        self.hub: HubProcess | None = None  # rank 0's, with agreements = "hub"
+        self.hub: HubProcess | None = None  # rank 0's, with agreements = "hub" or helper_process
         hub = self._join_hub() if s.agreements == "hub" or s.helper_process else None
         # The drain and its group's gloo threads stay in the normal class but while the
         # drain checksums bytes: the rest of its time it waits (the device's flush, two
@@ -246,7 +247,7 @@ class TieredCheckpointer:
             return None
 
     def _join_hub(self) -> HubInfo | None:
-        """Collective, at start-up (agreements = "hub"): rank 0 starts the job's hub and
+        """Collective, at start-up (agreements = "hub", or helper_process): rank 0 starts the job's hub and
         every rank learns where it is (None on every rank if it did not start: the
         agreements stay gloo collectives); this rank's helper joins it."""
         box: list = [None]

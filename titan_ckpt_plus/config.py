@@ -130,16 +130,16 @@ class Checkpoint:
     PFS periods cost less, in save(); 100M's 586 MiB cost the steps less on the
     thread). A copy in save() while a drain still reads the buffer goes to the thread."""
 
-    agreements: str = "hub"
+    agreements: str = "auto"
     """How the ranks agree on each save (the writer's commit vote) and each drain (its
-    start, and the gather of what every rank wrote). "hub" (the default): through the
-    job's hub, a small torch-free process rank 0 starts (tiers/hub.py): one socket round
-    trip from the thread that asks. "gloo": collectives on the background threads' own
-    gloo groups, whose worker threads then wake on every rank; on a CPU machine whose
-    cores training fills they queue behind training's own gloo threads (BENCHMARKS.md,
-    "The agreements through the hub by default"). If the hub does not start, or a rank
-    cannot reach it, the job agrees by gloo, with a warning. helper_process = true
-    needs "hub" (its helper makes the exchanges)."""
+    start, and the gather of what every rank wrote). "gloo": collectives on the
+    background threads' own gloo groups. "hub": through the job's hub, a small
+    torch-free process rank 0 starts (tiers/hub.py): one socket round trip from the
+    thread that asks, one process more on the node. "auto" (the default): "hub" with
+    helper_process = true (its helper makes the exchanges), else "gloo": neither way
+    cost debugmodel's steps less on both hosts measured, and the hub cost more on the
+    faster one (BENCHMARKS.md, "The agreements: gloo again by default"). If the hub
+    does not start, or a rank cannot reach it, the job agrees by gloo, with a warning."""
 
     helper_process: bool = False
     """Write each rank's local data file from a helper process (one per rank, without
@@ -218,7 +218,7 @@ STAGING_COPY = ("auto", "thread", "save")
 
 
 BACKGROUND_POLICY = ("auto", "idle", "normal")
-AGREEMENTS = ("hub", "gloo")
+AGREEMENTS = ("auto", "gloo", "hub")
 
 
 def background_idle(ckpt, can_leave_idle: bool) -> bool:
@@ -326,16 +326,17 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             "[checkpoint] helper_process = true needs Linux (memfd_create, for the staging buffer the helper "
             "shares). Fix: set helper_process = false on this platform.")
-    agreements = getattr(ckpt, "agreements", "hub")
+    agreements = getattr(ckpt, "agreements", "auto")
     if agreements not in AGREEMENTS:
         raise ConfigError(
-            f"[checkpoint] agreements = {agreements!r} is unknown. Fix: \"hub\" (the default: through the "
-            'job\'s hub process) or "gloo" (collectives on the background threads\' gloo groups).')
+            f"[checkpoint] agreements = {agreements!r} is unknown. Fix: \"auto\" (the default: the hub "
+            'with helper_process, else gloo), "gloo" (collectives on the background threads\' gloo groups) '
+            'or "hub" (through the job\'s hub process).')
     if agreements == "gloo" and getattr(ckpt, "helper_process", False):
         raise ConfigError(
             '[checkpoint] agreements = "gloo" cannot be honoured with helper_process = true: the byte '
-            'helpers make the exchanges through the job\'s hub. Fix: agreements = "hub", or '
-            "helper_process = false.")
+            'helpers make the exchanges through the job\'s hub. Fix: agreements = "auto" (the default) or '
+            '"hub", or helper_process = false.')
     if getattr(ckpt, "background_policy", "auto") not in BACKGROUND_POLICY:
         raise ConfigError(
             f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"auto\" "

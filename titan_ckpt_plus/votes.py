@@ -2,9 +2,9 @@
 start (every part readable, rank 0's folder cleared, the plan kept) and its gather of
 what each rank wrote. Both ways give every rank the same answer, in rank order.
 
-- GlooVotes (agreements = "gloo", or a hub that did not start): gloo collectives,
-  issued by the writer's and the drain's threads.
-- HubVotes (agreements = "hub", the default): exchanges through the job's hub
+- GlooVotes (agreements = "gloo", "auto" without helper_process (the default), or a
+  hub that did not start): gloo collectives, issued by the writer's and the drain's threads.
+- HubVotes (agreements = "hub", or helper_process): exchanges through the job's hub
   (tiers/hub.py): one socket round trip from the writer's or the drain's thread, where
   a collective wakes its group's gloo threads on every rank. With helper_process the
   rank's byte helper makes them, so the training process runs no collective of its own

@@ -92,7 +92,7 @@ class TieredCheckpointManager(_StockManager):
             background_idle=config.background_idle(checkpoint_config, priority.can_leave_idle()),
             helper_process=getattr(checkpoint_config, "helper_process", False) and not self.load_only,
             # a look saves nothing: no hub process for it
-            agreements="gloo" if self.load_only else getattr(checkpoint_config, "agreements", "hub"),
+            agreements="gloo" if self.load_only else getattr(checkpoint_config, "agreements", "auto"),
             local_reshard=getattr(checkpoint_config, "local_reshard", True),
             read_only=self.load_only,
         )
