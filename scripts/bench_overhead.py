@@ -47,10 +47,6 @@ from titan_ckpt_plus.adapters.torchtitan_v022 import SCHED_LOG_ENV  # noqa: E402
 from titan_ckpt_plus import staging  # noqa: E402
 from titan_ckpt_plus.cpu_fallback import fp32_args  # noqa: E402
 from titan_ckpt_plus.tiers import files  # noqa: E402
-from titan_ckpt_plus.config import Checkpoint  # noqa: E402
-
-# the benchmarks' own engines agree as a job does by default ([checkpoint] agreements)
-DEFAULT_AGREEMENTS = Checkpoint().agreements
 
 MODELS = {
     # row: (torchtitan flavor, seq_len, local batch, steps, ranks, plugin keys)
@@ -602,8 +598,7 @@ def _bench_checkpointer(nbytes: int, folder: Path, nice: int, idle: bool, byte_h
     n = nbytes // 4 // 16
     state = {"model": {f"w{i}": torch.randn(n) for i in range(16)}, "train_state": {"step": 0}}
     s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 1, 2, 2, 0, 1, True, job_id="bench",
-                     background_nice=nice, background_idle=idle, helper_process=byte_helper,
-                     agreements=DEFAULT_AGREEMENTS)
+                     background_nice=nice, background_idle=idle, helper_process=byte_helper)
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
 
     def close() -> None:
@@ -944,8 +939,7 @@ def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
     s = TierSettings(local_root=str(root / "local" / "job"), pfs_folder=str(root / "pfs"),
                      local_interval=LOCAL_EVERY, pfs_interval=PFS_EVERY, local_keep=2, pfs_keep=2,
                      rank=rank, world_size=world, first_on_node=rank == 0, node_ranks=list(range(world)),
-                     job_id="memory", background_idle=can_leave_idle(),
-                     agreements=DEFAULT_AGREEMENTS)
+                     job_id="memory", background_idle=can_leave_idle())
     dist.barrier()
     gc.collect()
     peak_rss_since_last()

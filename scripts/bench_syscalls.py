@@ -35,7 +35,7 @@ def worker(flavor: str, saves: int, folder: Path, helper_process: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from bench_overhead import DEFAULT_AGREEMENTS, flavor_state
+    from bench_overhead import flavor_state
     from harness import free_port
     from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
     from titan_ckpt_plus.telemetry import EventLog
@@ -44,7 +44,7 @@ def worker(flavor: str, saves: int, folder: Path, helper_process: bool) -> None:
     state = flavor_state(flavor, lambda shape: torch.randn(-(-shape[0] // 2), *shape[1:]), 0, 2)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     s = TierSettings(str(folder / "local"), str(folder / "pfs"), 1, 2, 2, 2, 0, 1, True, job_id="bench",
-                     helper_process=helper_process, agreements=DEFAULT_AGREEMENTS)
+                     helper_process=helper_process)
     ck = TieredCheckpointer(s, lambda: state, EventLog(None))
     for step in range(1, 5 + saves):
         if step == 5:

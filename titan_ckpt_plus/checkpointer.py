@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_ckpt_plus import device_copy, faults, priority, recovery, staging
+from titan_ckpt_plus.config import Checkpoint
 from titan_ckpt_plus.drain import PfsDrain, StagedBytes
 from titan_ckpt_plus.placement import ReplicaPlacement
 from titan_ckpt_plus.policy.schedule import IntervalPolicy, Measurements, SaveSchedule, assess
@@ -83,8 +84,9 @@ class TierSettings:
     background_nice: int = 0  # the writer's and the drain's CPU nice increment, lowest BE I/O
     background_idle: bool = False  # the copy, the drain's checksums, background gloo threads: SCHED_IDLE while on time
     helper_process: bool = False  # the local data file written by a helper process (tiers/byte_helper.py)
-    agreements: str = "auto"  # the vote's and the drain's (config.Checkpoint.agreements): "hub" (tiers/hub.py,
-    # votes.HubVotes), "gloo", or "auto" (the hub with helper_process, else gloo)
+    # the vote's and the drain's, the job's default: "hub" (tiers/hub.py, votes.HubVotes),
+    # "gloo", or "auto" (the hub with helper_process, else gloo)
+    agreements: str = Checkpoint.agreements
     local_reshard: bool = True  # another layout's local step resharded from the node folder (tiers/reshard.py)
     # load_only (a look at a step): recovery writes nothing into the tiers, no timeline is left
     read_only: bool = False
