@@ -16,5 +16,6 @@ $PY scripts/bench_data.py --update "$OUT"
 $PY scripts/bench_policy.py --update "$OUT"
 $PY scripts/bench_overhead.py --bare --update "$OUT"
 $PY scripts/bench_controls.py --update "$OUT"
+$PY scripts/bench_cpu.py --update "$OUT"
 $PY scripts/chaos.py --update "$OUT" || true  # a failed scenario shows in the targets table
-$PY scripts/benchmd.py "$OUT" save replication data policy overhead controls chaos
+$PY scripts/benchmd.py "$OUT" save replication data policy overhead controls cpu chaos

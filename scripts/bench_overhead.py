@@ -905,22 +905,13 @@ def flavor_state(model_flavor: str, shard, rank: int, world: int) -> dict:
             "train_state": {"step": 1, "ntokens_seen": 0}}
 
 
-def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
-    """One rank of plugin_memory (under torchrun): the flavor's state, sharded as FSDP
-    shards it over 2 ranks (model, AdamW moments, small items), no training. Its RSS
-    is taken with the state allocated; then the engine saves it every LOCAL_EVERY
-    steps and drains every PFS_EVERY, `step_s` apart, and each step's peak RSS is
-    taken (telemetry.peak_rss_since_last, reset each step, as the jobs' are)."""
-    import gc
-    import json
-
+def sharded_flavor_state(flavor: str) -> tuple[dict, int, int, int]:
+    """Under torchrun, gloo's group joined: this rank's state of `flavor` (a MODELS row),
+    sharded as FSDP shards it over the ranks, no training; with the rank, the world
+    size and the rank's tensor bytes (the model and its two AdamW moments)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-
-    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
-    from titan_ckpt_plus.priority import can_leave_idle
-    from titan_ckpt_plus.telemetry import EventLog, peak_rss_since_last
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -933,8 +924,25 @@ def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
                                   stride=torch.empty(shape, device="meta").stride())
 
     state = flavor_state(MODELS[flavor][0], shard, rank, world)
-    model = state["model"]
-    nbytes = sum(t.to_local().nbytes for t in model.values()) * 3
+    return state, rank, world, sum(t.to_local().nbytes for t in state["model"].values()) * 3
+
+
+def plugin_memory_worker(flavor: str, step_s: float, out: Path) -> None:
+    """One rank of plugin_memory (under torchrun): the flavor's state, sharded as FSDP
+    shards it over 2 ranks (model, AdamW moments, small items), no training. Its RSS
+    is taken with the state allocated; then the engine saves it every LOCAL_EVERY
+    steps and drains every PFS_EVERY, `step_s` apart, and each step's peak RSS is
+    taken (telemetry.peak_rss_since_last, reset each step, as the jobs' are)."""
+    import gc
+    import json
+
+    import torch.distributed as dist
+
+    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+    from titan_ckpt_plus.priority import can_leave_idle
+    from titan_ckpt_plus.telemetry import EventLog, peak_rss_since_last
+
+    state, rank, world, nbytes = sharded_flavor_state(flavor)
     root = out.parent / "memory-run"
     s = TierSettings(local_root=str(root / "local" / "job"), pfs_folder=str(root / "pfs"),
                      local_interval=LOCAL_EVERY, pfs_interval=PFS_EVERY, local_keep=2, pfs_keep=2,
