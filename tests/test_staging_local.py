@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from titan_ckpt_plus import recovery, staging
+from titan_ckpt_plus.device_copy import Copy
 from titan_ckpt_plus.tiers import files
 from titan_ckpt_plus.replication import Part, check_part
 from titan_ckpt_plus.tiers.local import COMMIT, LocalTier
@@ -609,7 +610,8 @@ def test_a_drain_reading_a_local_file_holds_a_sixteenth_of_it_at_most(mib, tmp_p
 def test_staging_progress_never_runs_ahead_of_the_copied_bytes():
     """The local write follows StagingProgress, so each advance must come only once
     every byte below it is in the buffer; the first group is about the write's first
-    piece, the next ones about COPY_GROUP."""
+    piece, the next ones about a group (on CPU, a core's L2 cache: the group's CRC
+    reads it there)."""
     g = torch.Generator().manual_seed(1)
     state = {f"t{i}": torch.randn(int(n), generator=g)
              for i, n in enumerate(torch.randint(1, 400_000, (60,), generator=g))}  # ~45 MiB
@@ -631,8 +633,56 @@ def test_staging_progress_never_runs_ahead_of_the_copied_bytes():
     buf.copy_in(layout, tensors, Checked())
     assert seen == sorted(seen) and seen[-1] == layout.total_bytes and len(seen) >= 5
     biggest = max(e.frame[1] - e.frame[0] for e in layout.entries) + staging.ALIGN
-    assert files.FIRST_CHUNK <= seen[0] < files.FIRST_CHUNK + biggest
-    assert staging.COPY_GROUP <= seen[1] - seen[0] < staging.COPY_GROUP + biggest
+    group = Copy.group_bytes
+    assert min(files.FIRST_CHUNK, group) <= seen[0] < min(files.FIRST_CHUNK, group) + biggest
+    assert group <= seen[1] - seen[0] < group + biggest
+
+
+def test_staging_progress_wakes_each_waiter_once_its_bytes_are_staged():
+    """The writer waits for a whole write piece while the copy advances group by
+    group: it is woken when the bytes it waits for are staged (or the copy failed),
+    not at every group, and two waiters with different ends both get theirs."""
+    import threading
+    import time
+
+    class Counted(threading.Condition):
+        wakes = 0
+
+        def notify_all(self):
+            Counted.wakes += 1
+            super().notify_all()
+
+    progress = staging.StagingProgress()
+    progress._cv = Counted()
+    got = {}
+
+    def waiter(upto):
+        got[upto] = progress.wait(upto)
+
+    threads = [threading.Thread(target=waiter, args=(upto,)) for upto in (40, 100)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while progress._wanted != 40 and time.monotonic() < deadline:  # both asleep, the nearer end registered
+        time.sleep(0.001)
+    for upto in range(10, 110, 10):  # ten groups
+        progress.advance(upto)
+        time.sleep(0.005)  # a woken waiter registers its end again before the next group
+    for t in threads:
+        t.join(5)
+    # 2: at 40, both woken, and at 100 (1 if the second had not gone back to sleep by then)
+    assert got == {40: 40, 100: 100} and Counted.wakes <= 2
+    failing = staging.StagingProgress()
+    box = []
+    t = threading.Thread(target=lambda: box.append(pytest.raises(RuntimeError, failing.wait, 50)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while failing._wanted != 50 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    failing.advance(10)
+    failing.fail()
+    t.join(5)
+    assert not t.is_alive() and box
 
 
 def test_cuda_registration_runs_on_its_own_thread_on_the_ranks_device(monkeypatch):

@@ -28,6 +28,12 @@ from titan_ckpt_plus import priority
 class Copy:
     """One save's staging copy on CPU: synchronous, so once issued it is done."""
 
+    # A group's bytes: on CPU, as many as a core's L2 cache holds, so the group's CRC-32C
+    # (staging.StagingProgress.advance) reads them from there right after the copy wrote
+    # them. With 8 MiB groups it read them back from L3 or memory: the copy and its CRC
+    # took 1.4-1.6x the floor's CPU against 1.1-1.2x (BENCHMARKS.md, "a save's whole CPU").
+    group_bytes = 1 << 20
+
     def __init__(self) -> None:
         self.issued = threading.Event()  # no more copies will be issued
 
@@ -58,6 +64,10 @@ class Copy:
 
 class CudaCopy(Copy):
     """One save's staging copy on the rank's copy stream."""
+
+    # The device writes host memory by DMA, past the CPU's caches: groups only as small
+    # as progress needs, each an event and a host wait.
+    group_bytes = 8 << 20
 
     def __init__(self, cuda, device: int, stream, point) -> None:
         super().__init__()

@@ -265,6 +265,7 @@ class StagingProgress:
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self.done = 0
+        self._wanted = float("inf")  # the fewest staged bytes a waiter waits for
         self.failed = False
         self.crc = 0
         self.sums = True  # False: the byte helper checksums the bytes as it writes them
@@ -280,7 +281,9 @@ class StagingProgress:
             self.crc = checksum(self._data[self.done:upto], self.crc)
         with self._cv:
             self.done = upto
-            self._cv.notify_all()
+            if upto >= self._wanted:  # a waiter's bytes are here: wake it, not once a group
+                self._wanted = float("inf")
+                self._cv.notify_all()
         if self.listener is not None:
             self.listener(upto)
 
@@ -296,6 +299,7 @@ class StagingProgress:
         if staging failed."""
         with self._cv:
             while self.done < upto and not self.failed:
+                self._wanted = min(self._wanted, upto)
                 self._cv.wait()
             if self.done < upto:
                 raise RuntimeError("staging failed before these bytes were copied")
@@ -451,21 +455,21 @@ class HostBuffer:
     def copy_in(self, layout: StateLayout, tensors: list[torch.Tensor],
                 progress: StagingProgress | None = None, copy: Copy | None = None,
                 clear=None) -> None:
-        """The blocking copy, in groups of about COPY_GROUP bytes, one foreach call
-        each: the copy thread then takes the GIL back once per group, not once per
-        tensor, so a training thread busy in Python does not slow it down tensor by
-        tensor. `copy` runs them (device_copy.py: synchronously on CPU, on the rank's
+        """The blocking copy, in groups of about `copy.group_bytes` (Copy: a core's L2
+        cache on CPU), one foreach call each: the copy thread then takes the GIL back
+        once per group, not once per tensor, so a training thread busy in Python does
+        not slow it down tensor by tensor. `copy` runs them (device_copy.py: synchronously on CPU, on the rank's
         copy stream on GPUs) and reports progress per group once its bytes are here;
         `clear(upto)` runs before a group that ends at `upto` is copied (a drain's
         piece from the buffer written first: StagedBytes.take_back)."""
         views = self._views(self.ensure(layout.total_bytes), layout, clear)
         if progress is not None:
             progress.checksum(self.data[: layout.total_bytes].numpy())
-        groups, start = [], 0
-        for end, upto in _groups(layout, COPY_GROUP):
+        copy, groups, start = copy or Copy(), [], 0
+        for end, upto in _groups(layout, copy.group_bytes):
             groups.append((views[start:end], tensors[start:end], upto))
             start = end
-        (copy or Copy()).run(groups, progress, clear)
+        copy.run(groups, progress, clear)
 
     def _views(self, buf: torch.Tensor, layout: StateLayout, clear=None) -> list[torch.Tensor]:
         """The buffer's view for every entry, made (and the frames written) once per
@@ -479,9 +483,6 @@ class HostBuffer:
             self._views_cache = [tensor_view(buf, e) for e in layout.entries]
             self._views_key = key
         return self._views_cache
-
-
-COPY_GROUP = 8 << 20
 
 
 def _groups(layout: StateLayout, size: int) -> list[tuple[int, int]]:
