@@ -39,13 +39,6 @@ STEPS = {"debugmodel": 120, "100M": 24}  # steps after the first PFS save (30 an
 KINDS = ("none", "rest", "local", "pfs")
 
 
-def machine_busy_s() -> float:
-    """The whole machine's busy CPU time so far (/proc/stat, every core)."""
-    with open("/proc/stat") as f:
-        x = [int(v) for v in f.readline().split()[1:]]
-    return (x[0] + x[1] + x[2] + x[5] + x[6] + x[7]) / os.sysconf("SC_CLK_TCK")
-
-
 def group(name: str) -> str:
     """A thread's kind: the rank's own thread (save()), the checkpointer's, gloo's."""
     if name == "main":
@@ -82,11 +75,11 @@ def worker(flavor: str, out: Path) -> None:
 
     def window(kind: str, work) -> None:
         dist.barrier()  # the ranks' windows together: the machine's time is both ranks'
-        m0, t0, c0 = machine_busy_s(), time.monotonic(), own_cpu_s()
+        m0, t0, c0 = bo.machine_cpu_s(), time.monotonic(), own_cpu_s()
         work()
         time.sleep(max(0.0, gap - (time.monotonic() - t0)))
         c1 = own_cpu_s()
-        windows.append({"kind": kind, "machine": machine_busy_s() - m0,
+        windows.append({"kind": kind, "machine": bo.machine_cpu_s() - m0,
                         "own": {k: c1.get(k, 0.0) - c0.get(k, 0.0) for k in c1}})
 
     steps = STEPS[flavor]
@@ -147,22 +140,23 @@ def row(flavor: str, r: dict) -> tuple[str, list[str], list[tuple]]:
     per_rank = {k: (r[k]["machine"] - rest) / 2 for k in ("local", "pfs")}
     at_rest = (rest - r["none"]["machine"]) / gap / 2
     ms = lambda x: f"{x * 1e3:.1f}"  # noqa: E731
-    # the ranks' own threads, to the nanosecond (the machine's figure counts clock ticks)
-    threads = {k: sum(r[k]["own"][g] - r["rest"]["own"].get(g, 0.0) for g in r[k]["own"]) for k in per_rank}
+    # each thread kind's CPU beyond a window at rest, to the nanosecond (the machine's
+    # figure counts clock ticks), and all of the rank's threads
+    own = {k: {g: v - r["rest"]["own"].get(g, 0.0) for g, v in r[k]["own"].items()} for k in per_rank}
+    threads = {k: sum(own[k].values()) for k in per_rank}
     cells = [flavor, f"{r['bytes'] / 2**20:.1f} MiB", ms(floor), ms(at_rest) + " ms/s",
              *(f"{ms(per_rank[k])} ({per_rank[k] / floor:.1f}x); threads {ms(threads[k])} "
                f"({threads[k] / floor:.1f}x)" for k in ("local", "pfs")),
              ms(threads["pfs"] - threads["local"])]
     lines = []
-    for k in ("local", "pfs"):
-        own = {g: r[k]["own"][g] - r["rest"]["own"].get(g, 0.0) for g in r[k]["own"]}
-        ckpt = sorted((g for g in own if g.startswith("ckpt-")), key=lambda g: -own[g])
+    for k, t in own.items():
+        ckpt = sorted((g for g in t if g.startswith("ckpt-")), key=lambda g: -t[g])
         lines.append(f"{flavor}, a {'local' if k == 'local' else 'PFS'} save, CPU ms per rank: machine "
-                     f"{ms(per_rank[k])} = the rank's thread (save()) {ms(own.get('main', 0.0))} + "
-                     + "".join(f"{g} {ms(own[g])} + " for g in ckpt)
-                     + f"gloo threads {ms(own.get('gloo', 0.0))} + its other threads {ms(own.get('other', 0.0))} "
+                     f"{ms(per_rank[k])} = the rank's thread (save()) {ms(t.get('main', 0.0))} + "
+                     + "".join(f"{g} {ms(t[g])} + " for g in ckpt)
+                     + f"gloo threads {ms(t.get('gloo', 0.0))} + its other threads {ms(t.get('other', 0.0))} "
                      f"+ the rest (the kernel's own threads and interrupts, other processes) "
-                     f"{ms(per_rank[k] - sum(own.values()))}")
+                     f"{ms(per_rank[k] - threads[k])}")
     targets = [(f"{flavor}: the whole CPU of {what}, per rank, no training (any thread, the kernel's) / floor",
                 f"{ms(per_rank[k])} ms / {ms(floor)} ms = {per_rank[k] / floor:.1f}x (the rank's own threads "
                 f"{ms(threads[k])} ms, {threads[k] / floor:.1f}x)", "", None)

@@ -519,13 +519,18 @@ def floor_s(nbytes: int) -> float:
     return statistics.median(best)
 
 
-def _kernel_jiffies() -> int:
-    """The whole machine's CPU time in the kernel so far (system, irq and softirq in
-    /proc/stat, in clock ticks): a write's I/O completions run in whatever thread
-    they interrupt, not in the writer's."""
+# /proc/stat's first line, every core: the fields of time spent in the kernel (system,
+# irq, softirq) and busy at all (those, user, nice and steal)
+KERNEL_FIELDS, BUSY_FIELDS = (2, 5, 6), (0, 1, 2, 5, 6, 7)
+
+
+def machine_cpu_s(fields: tuple = BUSY_FIELDS) -> float:
+    """The whole machine's CPU time so far in `fields` of /proc/stat, in seconds (to
+    the clock tick): a write's I/O completions run in whatever thread they interrupt,
+    not in the writer's."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return fields[2] + fields[5] + fields[6]
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks[i] for i in fields) / os.sysconf("SC_CLK_TCK")
 
 
 def _page_aligned(nbytes: int, shared: bool = False) -> memoryview:
@@ -547,14 +552,14 @@ def write_kernel_s(nbytes: int, folder: Path, total: int = 2 << 30, shared: bool
     helper's shared buffer (_page_aligned)."""
     buf = _page_aligned(nbytes, shared)
     path, spare = str(folder / "write-floor"), str(folder / "write-floor.spare")
-    rounds, hz, spent, walls = max(1, total // nbytes), os.sysconf("SC_CLK_TCK"), [], []
+    rounds, spent, walls = max(1, total // nbytes), [], []
     for _ in range(3):  # the median: other kernel work (reclaim, the VM's timers) comes and goes
-        k0, t0 = _kernel_jiffies(), time.perf_counter()
+        k0, t0 = machine_cpu_s(KERNEL_FIELDS), time.perf_counter()
         for _ in range(rounds):
             with files.DurableBatch() as batch:
                 batch.write(path, buf, known_crc=lambda: 0, reuse=spare)  # the CRC is the floor's
             files.retire(path, spare)
-        spent.append((_kernel_jiffies() - k0) / hz / rounds)
+        spent.append((machine_cpu_s(KERNEL_FIELDS) - k0) / rounds)
         walls.append((time.perf_counter() - t0) / rounds)
     for p in (path, spare):
         if os.path.exists(p):

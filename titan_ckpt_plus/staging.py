@@ -458,8 +458,9 @@ class HostBuffer:
         """The blocking copy, in groups of about `copy.group_bytes` (Copy: a core's L2
         cache on CPU), one foreach call each: the copy thread then takes the GIL back
         once per group, not once per tensor, so a training thread busy in Python does
-        not slow it down tensor by tensor. `copy` runs them (device_copy.py: synchronously on CPU, on the rank's
-        copy stream on GPUs) and reports progress per group once its bytes are here;
+        not slow it down tensor by tensor. `copy` runs them (device_copy.py:
+        synchronously on CPU, on the rank's copy stream on GPUs) and reports progress
+        per group once its bytes are here;
         `clear(upto)` runs before a group that ends at `upto` is copied (a drain's
         piece from the buffer written first: StagedBytes.take_back)."""
         views = self._views(self.ensure(layout.total_bytes), layout, clear)
