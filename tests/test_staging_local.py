@@ -77,6 +77,29 @@ def test_roundtrip_is_bit_exact_and_layout_loads_without_classes():
     assert back["dataloader"]["io"] == b"x" and back["train_state"]["step"] == 7
 
 
+def test_a_layout_adopts_the_last_ones_fingerprint_and_chunks_only_for_the_same_tensor_table():
+    state = _state()
+    first, _, _ = staging.plan_layout(state)
+    first.chunks = {0: ((6, 5), (3, 0))}
+    state["train_state"]["step"] = 8  # a later save: other values, the same tensors
+    same, _, _ = staging.plan_layout(state)
+    assert same.adopt(first) and same.chunks == first.chunks
+    fresh = staging.StateLayout(first.skeleton, first.entries, 0)
+    assert same.fingerprint() == first.fingerprint() == fresh.fingerprint()
+    state["w"] = torch.zeros(4, 5)  # the layout changed: its own fingerprint, no chunks taken
+    grown, _, _ = staging.plan_layout(state)
+    assert not grown.adopt(first) and grown.chunks is None and grown.fingerprint() != first.fingerprint()
+    assert not first.adopt(None)
+
+
+def test_only_a_tensor_autograd_tracks_is_detached_for_the_copy():
+    w = torch.nn.Parameter(torch.ones(3))
+    _, tensors, _ = staging.plan_layout({"w": w, "m": torch.zeros(3)})
+    assert not tensors[0].requires_grad and tensors[0].data_ptr() == w.data_ptr()
+    m = torch.zeros(3)
+    assert staging.plan_layout({"m": m})[1][0] is m  # no new object per tensor and save
+
+
 def test_each_tensor_sits_in_the_torch_save_frame_dcp_would_write():
     """The staged buffer is the part's file image: every tensor's frame torch.loads
     as the tensor itself, and the frames do not depend on the data (CRC-32 off)."""

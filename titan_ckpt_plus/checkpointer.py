@@ -125,7 +125,7 @@ class _Job:
     undecided: bool = False  # the vote itself failed: the step's files are left as they are
     loan: StagedBytes | None = None  # the staged bytes, lent to the drain (drain.py)
     manifest: bytes | None = None  # this rank's part's, once written: the drain reads its entry
-    layout_bytes: bytes | None = None  # set once staged
+    layout_bytes: bytes | None = None  # made by the writer once staged (_describe)
     fingerprint: str = ""
     beside_export: bool = False  # the PFS copy goes to full_state/step-N
     helper: ByteHelper | None = None  # moves the bytes, if the job has one (helper_process)
@@ -173,7 +173,7 @@ class TieredCheckpointer:
         self._buffer_free = threading.Event()
         self._buffer_free.set()
         self._loans: list[StagedBytes] = []  # staged bytes lent to drains, taken back by the next save
-        self._chunks: tuple = ("", None)  # (layout fingerprint, its staging.chunk_table)
+        self._last_layout: staging.StateLayout | None = None  # the last staged: its fingerprint and chunks
         self._pending_copy: device_copy.Copy | None = None
         self._pending = False
         self._pending_delta = 0.0
@@ -484,15 +484,13 @@ class TieredCheckpointer:
         try:
             clear = self._take_back_loans()
             self.buffer.copy_in(job.layout, tensors, job.progress, copy, clear)
-            # The writer needs these only after the data: made here, they overlap the disk.
-            job.fingerprint = job.layout.fingerprint()
-            if self._chunks[0] != job.fingerprint:  # a job's specs change only with its layout
-                self._chunks = (job.fingerprint, staging.chunk_table(job.layout, job.specs))
-                if self._chunks[1] is None:
+            if not job.layout.adopt(self._last_layout):  # a job's specs change only with its layout
+                job.layout.chunks = staging.chunk_table(job.layout, job.specs)
+                if job.layout.chunks is None:
                     log.warning("[titan_ckpt_plus] a shard's placement has no DCP chunk: this layout's local "
                                 "steps reshard only from the PFS after a DP change (local_reshard)")
-            job.layout.chunks = self._chunks[1]
-            job.layout_bytes = job.layout.to_bytes()
+            self._last_layout = job.layout
+            job.fingerprint = job.layout.fingerprint()
             job.ok = True
         except Exception as e:
             job.progress.fail()
@@ -970,11 +968,14 @@ class TieredCheckpointer:
                          lambda: getattr(self.local, method)(step, *args))
 
     def _describe(self, job: _Job) -> tuple[bytes, dict]:
-        """The layout's bytes and the manifest's fields, made by the copy thread
-        once its copy is done, while this thread still writes."""
+        """The layout's bytes and the manifest's fields, once the copy is done: made
+        here, on the writer's thread, after the data's write, as the copy may have run
+        in save() on the training thread."""
         job.staged.wait()
-        if job.layout_bytes is None:
+        if not job.ok:
             raise RuntimeError("staging failed")
+        if job.layout_bytes is None:
+            job.layout_bytes = job.layout.to_bytes()
         return job.layout_bytes, {"fingerprint": job.fingerprint, "layout_tag": self.s.layout_tag}
 
     def _discard(self, step: int) -> None:
