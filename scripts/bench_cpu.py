@@ -10,7 +10,8 @@ nothing at odd steps (at rest), a step every `GAP` seconds, long enough for a dr
 to end in its own step. Each step is a window: the whole machine's busy time in it
 (/proc/stat: user, system, irq, softirq, steal; every thread, every process, the
 kernel's), less the mean of the windows at rest, is what a save or a PFS save cost
-the machine; each rank's own threads by name (their scheduler counters) tell where.
+the machine; each rank's own threads by name (their scheduler counters) tell where, and a few of the
+engine's functions (each thread's CPU inside them, per save or drain) where within them.
 Before the engine starts, as many windows with no engine show what it costs at rest
 (gloo's loop threads, one per process group, wake every 10 ms).
 
@@ -18,6 +19,7 @@ Before the engine starts, as many windows with no engine show what it costs at r
 """
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -25,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -55,6 +58,48 @@ def own_cpu_s() -> dict[str, float]:
     for name, (on_cpu, _) in thread_times().items():
         out[group(name)] = out.get(group(name), 0.0) + on_cpu / 1e9
     return out
+
+
+# Where the CPU of a save goes within its threads: a few of the engine's functions,
+# each thread's CPU inside them (inclusive, to the nanosecond), per save or drain.
+FUNCTIONS = {  # name: (what it is, counted per "save" or per "drain")
+    "checkpointer:TieredCheckpointer.save": ("save() on the rank's thread", "save"),
+    "staging:plan_layout": ("of which the layout's walk (plan_layout)", "save"),
+    "checkpointer:TieredCheckpointer._copy": ("the staging copy", "save"),
+    "staging:HostBuffer.copy_in": ("of which the copy and its CRC (copy_in)", "save"),
+    "checkpointer:TieredCheckpointer._write": ("the writer", "save"),
+    "tiers.local:LocalTier.write_part": ("of which the part's files (write_part)", "save"),
+    "staging:StateLayout.to_bytes": ("and the layout's pickle (to_bytes)", "save"),
+    "drain:PfsDrain._drain": ("a drain", "drain"),
+    "tiers.pfs:PfsTier.save": ("of which PfsTier.save", "drain"),
+}
+
+
+class FunctionCpu:
+    """Thread CPU spent inside FUNCTIONS while `on`, whichever thread runs them."""
+
+    def __init__(self) -> None:
+        self.on, self.ns, self._lock = False, dict.fromkeys(FUNCTIONS, 0), threading.Lock()
+        for name in FUNCTIONS:
+            self._wrap(name)
+
+    def _wrap(self, name: str) -> None:
+        module, qual = name.split(":")
+        owner = importlib.import_module(f"titan_ckpt_plus.{module}")
+        *path, attr = qual.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.on:
+                    with self._lock:
+                        self.ns[name] += time.thread_time_ns() - t0
+        setattr(owner, attr, timed)
 
 
 def worker(flavor: str, out: Path) -> None:
@@ -90,6 +135,7 @@ def worker(flavor: str, out: Path) -> None:
                      local_interval=2, pfs_interval=4, local_keep=2, pfs_keep=2,
                      rank=rank, world_size=world, first_on_node=rank == 0, node_ranks=list(range(world)),
                      job_id="cpu", background_idle=can_leave_idle())
+    functions = FunctionCpu()
     ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
 
     def save(step: int):
@@ -100,11 +146,12 @@ def worker(flavor: str, out: Path) -> None:
 
     for step in range(1, steps + 9):  # the first 8: a layout's first save and drain, warm-up
         kind = "rest" if step % 2 else "pfs" if step % 4 == 0 else "local"
+        functions.on = step > 8
         window(kind if step > 8 else "warm", save(step))
-    ckpt.close()
+    ckpt.close()  # the last drain ends in its window: counted
     drains = ckpt.stats.drains
     out.with_suffix(f".{rank}").write_text(json.dumps({"windows": windows, "bytes": nbytes, "floor": floor,
-                                                       "drains": drains}))
+                                                       "drains": drains, "functions": functions.ns}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -123,7 +170,8 @@ def measure(flavor: str, base: Path) -> dict:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:]
     ranks = [json.loads(out.with_suffix(f".{r}").read_text()) for r in range(2)]
-    res = {"bytes": max(r["bytes"] for r in ranks), "floor": ranks[0]["floor"], "drains": ranks[0]["drains"]}
+    res = {"bytes": max(r["bytes"] for r in ranks), "floor": ranks[0]["floor"], "drains": ranks[0]["drains"],
+           "functions": {k: statistics.mean(r["functions"][k] for r in ranks) / 1e9 for k in FUNCTIONS}}
     for kind in KINDS:
         ws = [r["windows"] for r in ranks]
         res[kind] = {"machine": statistics.mean(w["machine"] for w in ws[0] if w["kind"] == kind),
@@ -157,6 +205,11 @@ def row(flavor: str, r: dict) -> tuple[str, list[str], list[tuple]]:
                      + f"gloo threads {ms(t.get('gloo', 0.0))} + its other threads {ms(t.get('other', 0.0))} "
                      f"+ the rest (the kernel's own threads and interrupts, other processes) "
                      f"{ms(per_rank[k] - threads[k])}")
+    saves, drains = STEPS[flavor] // 2, STEPS[flavor] // 4
+    parts = [f"{what} {ms(r['functions'][k] / (drains if per == 'drain' else saves))}"
+             for k, (what, per) in FUNCTIONS.items()]
+    lines.append(f"{flavor}, thread CPU ms per save and rank inside the engine's functions (a drain's per "
+                 f"drain): " + ", ".join(parts))
     targets = [(f"{flavor}: the whole CPU of {what}, per rank, no training (any thread, the kernel's) / floor",
                 f"{ms(per_rank[k])} ms / {ms(floor)} ms = {per_rank[k] / floor:.1f}x (the rank's own threads "
                 f"{ms(threads[k])} ms, {threads[k] / floor:.1f}x)", "", None)
