@@ -214,8 +214,9 @@ def plan_layout(state: Any) -> tuple[StateLayout, list[torch.Tensor], dict]:
     specs: dict = {}
     offset = 0
 
-    # On the training thread, once per save and tensor: dicts tested first (the most
-    # nodes), a tensor detached only where autograd tracks it (detach() makes an object).
+    # On the training thread, once per save and node: a dict's test comes first (cheaper
+    # than torch.Tensor's), a tensor is detached only where autograd tracks it (each
+    # detach() makes a tensor object).
     def walk(obj: Any, path: str) -> Any:
         nonlocal offset
         if isinstance(obj, dict):
