@@ -77,15 +77,17 @@ def test_roundtrip_is_bit_exact_and_layout_loads_without_classes():
     assert back["dataloader"]["io"] == b"x" and back["train_state"]["step"] == 7
 
 
-def test_a_layout_adopts_the_last_ones_fingerprint_and_chunks_only_for_the_same_tensor_table():
+def test_a_layout_adopts_the_last_ones_fingerprint_and_chunks_only_for_the_same_tensor_table(monkeypatch):
     state = _state()
     first, _, _ = staging.plan_layout(state)
     first.chunks = {0: ((6, 5), (3, 0))}
+    expected = first.fingerprint()
     state["train_state"]["step"] = 8  # a later save: other values, the same tensors
     same, _, _ = staging.plan_layout(state)
-    assert same.adopt(first) and same.chunks == first.chunks
-    fresh = staging.StateLayout(first.skeleton, first.entries, 0)
-    assert same.fingerprint() == first.fingerprint() == fresh.fingerprint()
+    with monkeypatch.context() as m:  # adopted, not hashed again
+        m.setattr(staging.json, "dumps", lambda *_a, **_k: pytest.fail("the fingerprint was made again"))
+        assert same.adopt(first) and same.chunks == first.chunks and same.fingerprint() == expected
+    assert staging.StateLayout(first.skeleton, first.entries, 0).fingerprint() == expected
     state["w"] = torch.zeros(4, 5)  # the layout changed: its own fingerprint, no chunks taken
     grown, _, _ = staging.plan_layout(state)
     assert not grown.adopt(first) and grown.chunks is None and grown.fingerprint() != first.fingerprint()
@@ -746,6 +748,21 @@ def test_cuda_registration_runs_on_its_own_thread_on_the_ranks_device(monkeypatc
     assert device[main] == 3
 
 
+def _one_rank_engine(tmp_path, state):
+    """An engine of one rank on its own gloo group (the test destroys it): a local save
+    at every step, no PFS save before step 1000."""
+    import torch.distributed as dist
+
+    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+    from titan_ckpt_plus.telemetry import EventLog
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"), local_interval=1,
+                     pfs_interval=1000, local_keep=3, pfs_keep=3, rank=0, world_size=1, first_on_node=True,
+                     job_id="J")
+    return TieredCheckpointer(s, lambda: state, EventLog(None))
+
+
 def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_path):
     """The exchange itself fails (a peer gone, the group's timeout): the save is counted
     failed and not committed, the writer thread lives on, and the next save commits."""
@@ -754,15 +771,7 @@ def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_pa
 
     import torch.distributed as dist
 
-    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
-    from titan_ckpt_plus.telemetry import EventLog
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    state = {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}}
-    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"), local_interval=1,
-                     pfs_interval=1000, local_keep=3, pfs_keep=3, rank=0, world_size=1, first_on_node=True,
-                     job_id="J")
-    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    ckpt = _one_rank_engine(tmp_path, {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}})
 
     def broken(*_a, **_k):
         raise RuntimeError("[gloo] Connection closed by peer")
@@ -782,4 +791,39 @@ def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_pa
     finally:
         if writer_alive:  # else close() would wait for it for ever
             ckpt.close()
+        dist.destroy_process_group()
+
+
+def test_a_failed_staging_copy_fails_its_save_alone_and_each_part_names_its_own_layout(tmp_path, monkeypatch):
+    """Step 1's copy fails once its bytes are staged: that save is counted failed once
+    and leaves no part (the writer's describe() refuses it). Steps 2 and 3 commit, and each manifest carries
+    its own layout's fingerprint: step 3's state grew, so it adopted nothing of step 2's."""
+    import torch.distributed as dist
+
+    state = {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}}
+    ckpt = _one_rank_engine(tmp_path, state)
+    chunk_table, saving = staging.chunk_table, [0]
+
+    def failing_once(*args, **kwargs):  # after every byte is staged: the writer may have them all
+        if saving[0] == 1:
+            raise OSError("the copy failed")
+        return chunk_table(*args, **kwargs)
+    monkeypatch.setattr(staging, "chunk_table", failing_once)
+    try:
+        for step in (1, 2, 3):
+            saving[0] = step
+            if step == 3:
+                state["model"]["b"] = torch.randn(10)
+            ckpt.save(step)
+            ckpt.flush()
+        assert ckpt.stats.failed_saves == 1 and ckpt.local.committed_steps() == [2, 3]
+        assert not os.path.exists(ckpt.local._part(1, "json"))
+        prints = []
+        for step in (2, 3):
+            layout = staging.StateLayout.from_bytes(ckpt.local.read_part(step)[0])
+            assert ckpt.local.manifest(step)["fingerprint"] == layout.fingerprint()
+            prints.append(layout.fingerprint())
+        assert prints[0] != prints[1]
+    finally:
+        ckpt.close()
         dist.destroy_process_group()

@@ -115,7 +115,8 @@ class _Job:
     layout: staging.StateLayout | None = None
     specs: dict = field(default_factory=dict)
     staged: threading.Event = field(default_factory=threading.Event)
-    ok: bool = False
+    ok: bool = False  # the writer's: its part written (and replicated), then as voted
+    copied: bool = False  # the staging copy's outcome, set before `staged`
     staging_s: float = 0.0
     staging_cpu_s: float = 0.0  # the copy thread's CPU time (inline copies: the training thread's too)
     capture_s: float = 0.0  # the training thread's: torchtitan's state_dict() calls
@@ -126,7 +127,6 @@ class _Job:
     loan: StagedBytes | None = None  # the staged bytes, lent to the drain (drain.py)
     manifest: bytes | None = None  # this rank's part's, once written: the drain reads its entry
     layout_bytes: bytes | None = None  # made by the writer once staged (_describe)
-    fingerprint: str = ""
     beside_export: bool = False  # the PFS copy goes to full_state/step-N
     helper: ByteHelper | None = None  # moves the bytes, if the job has one (helper_process)
     generation: int = 0  # the staging buffer's (HostBuffer.generation) the job staged into
@@ -490,8 +490,7 @@ class TieredCheckpointer:
                     log.warning("[titan_ckpt_plus] a shard's placement has no DCP chunk: this layout's local "
                                 "steps reshard only from the PFS after a DP change (local_reshard)")
             self._last_layout = job.layout
-            job.fingerprint = job.layout.fingerprint()
-            job.ok = True
+            job.copied = True
         except Exception as e:
             job.progress.fail()
             self.record_failure("local", job.step, f"staging copy: {e!r}")
@@ -500,7 +499,7 @@ class TieredCheckpointer:
             job.staging_s = time.monotonic() - job.started
             job.staging_cpu_s = time.thread_time() - cpu0
             # a copy that failed early measured nothing of a copy's cost: the next one runs on the thread
-            self._last_copy_cpu_s = job.staging_cpu_s if job.ok else float("inf")
+            self._last_copy_cpu_s = job.staging_cpu_s if job.copied else float("inf")
             job.staged.set()
 
     def wait_for_staging(self) -> None:
@@ -876,7 +875,7 @@ class TieredCheckpointer:
         clock.mark("write")
         job.staged.wait()
         clock.mark("wait_copy")
-        staged_ok = job.ok  # the staging copy's outcome; a failed copy also failed the write
+        staged_ok = job.copied  # a failed copy also failed the write
         job.ok = own is not None
         write_s = time.monotonic() - t0
         if self.placement is not None:
@@ -968,15 +967,16 @@ class TieredCheckpointer:
                          lambda: getattr(self.local, method)(step, *args))
 
     def _describe(self, job: _Job) -> tuple[bytes, dict]:
-        """The layout's bytes and the manifest's fields, once the copy is done: made
-        here, on the writer's thread, after the data's write, as the copy may have run
-        in save() on the training thread."""
+        """The layout's bytes and the manifest's fields, once the copy is done: pickled
+        here, on the writer's thread (after the data's write; with the byte helper, while
+        it writes), not by the copy, which may run in save() on the training thread. A
+        pickle that fails fails the local write alone; the skeleton holds plain values."""
         job.staged.wait()
-        if not job.ok:
+        if not job.copied:
             raise RuntimeError("staging failed")
         if job.layout_bytes is None:
             job.layout_bytes = job.layout.to_bytes()
-        return job.layout_bytes, {"fingerprint": job.fingerprint, "layout_tag": self.s.layout_tag}
+        return job.layout_bytes, {"fingerprint": job.layout.fingerprint(), "layout_tag": self.s.layout_tag}
 
     def _discard(self, step: int) -> None:
         """A step the ranks did not commit: its parts here would only fill the disk."""

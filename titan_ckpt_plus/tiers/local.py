@@ -374,8 +374,8 @@ class LocalTier:
                    known_crc=None) -> tuple[bytes, bytes]:
         """Write this rank's part durably; returns its manifest's bytes (what a
         replica receiver stores as is) and its layout's. `describe()` gives the layout
-        bytes and the manifest's fields; it is called once the data is written, so
-        the caller can make them while the disk works. Raises on I/O error. Run by
+        bytes and the manifest's fields; it is called once the data is written (the
+        engine pickles the layout then, off the training thread). Raises on I/O error. Run by
         the training process's writer thread, or by the byte helper process."""
         os.makedirs(self.step_dir(step), exist_ok=True)
         self._drop_stale(step, [self.rank])
