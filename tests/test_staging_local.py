@@ -796,19 +796,20 @@ def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_pa
 
 def test_a_failed_staging_copy_fails_its_save_alone_and_each_part_names_its_own_layout(tmp_path, monkeypatch):
     """Step 1's copy fails once its bytes are staged: that save is counted failed once
-    and leaves no part (the writer's describe() refuses it). Steps 2 and 3 commit, and each manifest carries
-    its own layout's fingerprint: step 3's state grew, so it adopted nothing of step 2's."""
+    and leaves no part (the writer's describe() refuses it). Steps 2 and 3 commit, and
+    each manifest carries its own layout's fingerprint: step 3's state grew, so it
+    adopted nothing of step 2's."""
     import torch.distributed as dist
 
     state = {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}}
     ckpt = _one_rank_engine(tmp_path, state)
-    chunk_table, saving = staging.chunk_table, [0]
+    copy_in, saving = ckpt.buffer.copy_in, [0]
 
-    def failing_once(*args, **kwargs):  # after every byte is staged: the writer may have them all
+    def failing_once(*args, **kwargs):  # after every byte is staged: the writer may write them all
+        copy_in(*args, **kwargs)
         if saving[0] == 1:
             raise OSError("the copy failed")
-        return chunk_table(*args, **kwargs)
-    monkeypatch.setattr(staging, "chunk_table", failing_once)
+    monkeypatch.setattr(ckpt.buffer, "copy_in", failing_once)
     try:
         for step in (1, 2, 3):
             saving[0] = step

@@ -173,7 +173,7 @@ class TieredCheckpointer:
         self._buffer_free = threading.Event()
         self._buffer_free.set()
         self._loans: list[StagedBytes] = []  # staged bytes lent to drains, taken back by the next save
-        self._last_layout: staging.StateLayout | None = None  # the last staged: its fingerprint and chunks
+        self._last_layout: staging.StateLayout | None = None  # the last described (the writer's)
         self._pending_copy: device_copy.Copy | None = None
         self._pending = False
         self._pending_delta = 0.0
@@ -484,12 +484,6 @@ class TieredCheckpointer:
         try:
             clear = self._take_back_loans()
             self.buffer.copy_in(job.layout, tensors, job.progress, copy, clear)
-            if not job.layout.adopt(self._last_layout):  # a job's specs change only with its layout
-                job.layout.chunks = staging.chunk_table(job.layout, job.specs)
-                if job.layout.chunks is None:
-                    log.warning("[titan_ckpt_plus] a shard's placement has no DCP chunk: this layout's local "
-                                "steps reshard only from the PFS after a DP change (local_reshard)")
-            self._last_layout = job.layout
             job.copied = True
         except Exception as e:
             job.progress.fail()
@@ -967,15 +961,22 @@ class TieredCheckpointer:
                          lambda: getattr(self.local, method)(step, *args))
 
     def _describe(self, job: _Job) -> tuple[bytes, dict]:
-        """The layout's bytes and the manifest's fields, once the copy is done: pickled
+        """The layout's bytes and the manifest's fields, once the copy is done: made
         here, on the writer's thread (after the data's write; with the byte helper, while
-        it writes), not by the copy, which may run in save() on the training thread. A
-        pickle that fails fails the local write alone; the skeleton holds plain values."""
+        it writes), not by the copy, which may run in save() on the training thread. The
+        fingerprint and chunk table come from the last layout while the tensor table is
+        the same (a job's specs change only with its layout). What fails here fails the
+        local write alone."""
         job.staged.wait()
         if not job.copied:
             raise RuntimeError("staging failed")
-        if job.layout_bytes is None:
-            job.layout_bytes = job.layout.to_bytes()
+        if not job.layout.adopt(self._last_layout):
+            job.layout.chunks = staging.chunk_table(job.layout, job.specs)
+            if job.layout.chunks is None:
+                log.warning("[titan_ckpt_plus] a shard's placement has no DCP chunk: this layout's local "
+                            "steps reshard only from the PFS after a DP change (local_reshard)")
+        self._last_layout = job.layout
+        job.layout_bytes = job.layout.to_bytes()
         return job.layout_bytes, {"fingerprint": job.layout.fingerprint(), "layout_tag": self.s.layout_tag}
 
     def _discard(self, step: int) -> None:
