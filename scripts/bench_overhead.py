@@ -67,13 +67,21 @@ MODELS = {
     # the ranks agreeing through the job's hub ([checkpoint] agreements = "hub"), side by
     # side with the default (gloo collectives)
     "debugmodel-hub": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.agreements=hub",)),
+    # a drain started at its local commit ([checkpoint] drain_start = "commit"), side by
+    # side with the default (at the step boundary after it): bench_ab.py's, not run by default
+    "debugmodel-drainatcommit": ("debugmodel", 128, 2, 62, 2, ("--checkpoint.drain_start=commit",)),
+    "100M-drainatcommit": ("100M", 32, 1, 38, 2, ("--checkpoint.drain_start=commit",)),
 }
+AB_ONLY = ("debugmodel-drainatcommit", "100M-drainatcommit")  # not in --models' default
+DEFAULT_MODELS = ",".join(m for m in MODELS if m not in AB_ONLY)
 LABELS = {"debugmodel-copythread": "debugmodel, staging_copy = \"thread\" (not the default)",
           "debugmodel-normal": "debugmodel, background_policy = \"normal\" (not the default)",
           "debugmodel-1rank": "debugmodel on 1 rank (a core to spare; not issue 15's 2-rank case)",
           "debugmodel-helper": "debugmodel, helper_process = true (not the default)",
           "100M-helper": "100M, helper_process = true (not the default)",
-          "debugmodel-hub": "debugmodel, agreements = \"hub\" (not the default)"}
+          "debugmodel-hub": "debugmodel, agreements = \"hub\" (not the default)",
+          "debugmodel-drainatcommit": "debugmodel, drain_start = \"commit\" (not the default)",
+          "100M-drainatcommit": "100M, drain_start = \"commit\" (not the default)"}
 LOCAL_EVERY, PFS_EVERY = 3, 6
 LAUNCH_BOUND_BYTES = 614_571_000  # 100M's state per rank (586.1 MiB), for --launch-bound-only
 BARE = ("debugmodel", "100M")  # issue 15's models get the BareMover control with --bare
@@ -1142,7 +1150,7 @@ def _verdict(ok: bool | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--update", type=Path)
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default=DEFAULT_MODELS)
     ap.add_argument("--launch-bound-only", action="store_true",
                     help="only the launch-bound rows, with 100M's state per rank, printed")
     ap.add_argument("--launch-ways", default=",".join(LAUNCH_WAYS),
@@ -1276,7 +1284,7 @@ def main() -> None:
         targets += plugin_memory_rows(base)
     body = "\n".join([
         "Command: `" + " ".join([".venv/bin/python scripts/bench_overhead.py --update BENCHMARKS.md",
-                                 *([f"--models {args.models}"] if args.models != ",".join(MODELS) else []),
+                                 *([f"--models {args.models}"] if args.models != DEFAULT_MODELS else []),
                                  *(["--bare"] if args.bare else []), *(["--jobs-only"] if args.jobs_only else []),
                                  *([f"--section {shlex.quote(args.section)}"] if args.section != SECTION else [])])
         + f"` ({time.strftime('%Y-%m-%d')}, 2 CPU ranks but where the row says 1, local every {LOCAL_EVERY} steps, PFS every {PFS_EVERY}; "

@@ -46,6 +46,8 @@ def test_keys_parse_from_toml_and_cli(tmp_path):
     # the default with the helper: its exchanges go through the hub, nothing to refuse
     config.validate(_parse(tmp_path, "--checkpoint.helper_process").checkpoint, str(tmp_path / "dump"))
     assert _parse(tmp_path, "--checkpoint.no-local-reshard").checkpoint.local_reshard is False
+    assert ck.drain_start == "auto"
+    assert _parse(tmp_path, "--checkpoint.drain_start", "next_step").checkpoint.drain_start == "next_step"
 
 
 def test_a_helper_process_where_there_is_no_memfd_is_refused_naming_the_key(tmp_path, monkeypatch):
@@ -113,6 +115,7 @@ def test_unknown_key_names_the_key(tmp_path):
     (["--checkpoint.local_folder", "/x/{rack}"], "unknown placeholder"),
     (["--checkpoint.preemption_grace_s", "-1"], "preemption_grace_s = -1"),
     (["--checkpoint.agreements", "nccl"], "agreements = 'nccl' is unknown"),
+    (["--checkpoint.drain_start", "later"], "drain_start = 'later' is unknown"),
     (["--checkpoint.agreements", "gloo", "--checkpoint.helper_process"],
      'agreements = "gloo" cannot be honoured with helper_process = true'),
 ])

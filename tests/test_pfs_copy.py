@@ -496,6 +496,47 @@ def test_the_spares_stay_for_a_restart_and_go_once_the_last_step_is_saved(pg, tm
     assert ckpt.pfs.steps() == [4, 5] and not (tmp_path / "pfs" / ".spare").exists()
 
 
+def test_drain_start_next_step_holds_a_drain_until_the_next_step_boundary(pg, tmp_path):
+    """drain_start = "next_step": a PFS step's local part commits as before, but its
+    drain waits for the next step boundary (save()'s first act), local retention keeping
+    the step meanwhile; a flush starts a held drain at once. The PFS steps load back
+    equal to what was saved."""
+    state = {"model": {"w": torch.zeros(4096)}, "train_state": {"step": 0}}
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"), local_interval=1,
+                     pfs_interval=2, local_keep=2, pfs_keep=3, rank=0, world_size=1, first_on_node=True,
+                     job_id="J", drain_start="next_step")
+    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    try:
+        for step in (1, 2):
+            state["model"]["w"].fill_(step)
+            ckpt.save(step)
+        ckpt.wait_for_staging()
+        ckpt._write_q.join()  # step 2 is committed; its drain is held
+        assert ckpt.local.committed_steps() == [1, 2] and ckpt.drain.steps == {2}
+        assert [job.step for job in ckpt.drain._held] == [2] and ckpt.drain._q.empty()
+        assert (ckpt.stats.drains, ckpt.pfs.steps()) == (0, [])
+        state["model"]["w"].fill_(3)
+        ckpt.save(3)  # the boundary hands step 2 over before step 3 is staged
+        ckpt.drain.join()
+        assert (ckpt.stats.drains, ckpt.pfs.steps()) == (1, [2])
+        state["model"]["w"].fill_(4)
+        ckpt.save(4)
+        ckpt.flush()  # no boundary after the last save: the flush starts its drain
+        assert (ckpt.stats.drains, ckpt.pfs.steps(), ckpt.drain.steps) == (2, [2, 4], set())
+        for step in (2, 4):  # stock DCP reads each
+            back = {"model": {"w": torch.empty(4096)}}
+            dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / f"step-{step}"), process_group=pg)
+            assert torch.equal(back["model"]["w"], torch.full((4096,), float(step)))
+        ckpt.s.drain_start = "auto"  # the default holds too, but not where every step saves
+        held = []
+        for every in (3, 1):
+            ckpt.schedule.local_interval = every
+            held.append(ckpt._hold_drain())
+        assert held == [True, False]
+    finally:
+        ckpt.close()
+
+
 def test_load_step_loads_that_step_from_the_tier_holding_it_and_the_steps_after_it_go(pg, tmp_path):
     """torchtitan's load_step with the tiers on: step 5 from the local tier (stock torchtitan
     would find no step-5 on the PFS), step 2 from the PFS, a step no tier holds refused with

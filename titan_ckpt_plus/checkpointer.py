@@ -88,6 +88,7 @@ class TierSettings:
     # "gloo", or "auto" (the hub with helper_process, else gloo)
     agreements: str = Checkpoint.agreements
     local_reshard: bool = True  # another layout's local step resharded from the node folder (tiers/reshard.py)
+    drain_start: str = Checkpoint.drain_start  # "auto", "commit" or "next_step" (_hold_drain)
     # load_only (a look at a step): recovery writes nothing into the tiers, no timeline is left
     read_only: bool = False
 
@@ -433,6 +434,7 @@ class TieredCheckpointer:
         more work than at normal priority."""
         promotions = self.background.promotions
         late = self.background.boundary()
+        self._start_held_drains()
         if self.background.promotions > promotions:
             self.events.record("background_late", step=step, late=[f"{k} {s}" for k, s in late],
                                promoted=self.background.enabled)
@@ -586,7 +588,7 @@ class TieredCheckpointer:
             return newest_pfs, (f"not promoting local step {job.step}: the drain takes about "
                                 f"{estimate:.1f}s, {remaining:.1f}s of grace left")
         self._drain(job)
-        self.drain.join()
+        self._join_drains()
         if self.stats.last_drained == job.step:
             return job.step, f"promoted local step {job.step} to the PFS"
         return newest_pfs, f"promoting local step {job.step} failed (see above)"
@@ -599,7 +601,7 @@ class TieredCheckpointer:
             self.background.promote()
         self.wait_for_staging()
         self._write_q.join()
-        self.drain.join()
+        self._join_drains()
 
     def close(self) -> None:
         self.flush()
@@ -1028,9 +1030,33 @@ class TieredCheckpointer:
         return ok
 
     def _drain(self, job: _Job) -> None:
-        """Hand a step to the drain; late once the step it is handed over in ends."""
+        """Hand a step to the drain, or hold it until the next step boundary, so the
+        local write and the drain's copy cost two steps a little each instead of one
+        twice as much; late once the step it is handed over in ends."""
+        if self._hold_drain():
+            self.drain.hold(job)
+        else:
+            self._start_drain(job)
+
+    def _hold_drain(self) -> bool:
+        """drain_start: "next_step"; "auto" unless every step is a local save, where the
+        next save's copy would take the staged bytes back at that very boundary."""
+        if self.s.drain_start == "auto":
+            return self.schedule.local_interval > 1
+        return self.s.drain_start == "next_step"
+
+    def _start_drain(self, job: _Job) -> None:
         self.background.begin(("drain", job.step))
         self.drain.submit(job)
+
+    def _start_held_drains(self) -> None:
+        """At a step boundary, or before the drains are waited for."""
+        for job in self.drain.take_held():
+            self._start_drain(job)
+
+    def _join_drains(self) -> None:
+        self._start_held_drains()
+        self.drain.join()
 
     def _drained(self, job: _Job) -> None:
         """A step's drain is over (or none comes): free the staging buffer it held, and

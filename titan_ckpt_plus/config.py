@@ -141,6 +141,17 @@ class Checkpoint:
     faster one (BENCHMARKS.md, "The agreements: gloo again by default"). If the hub
     does not start, or a rank cannot reach it, the job agrees by gloo, with a warning."""
 
+    drain_start: str = "auto"
+    """When a PFS step's drain starts. "commit": as soon as every rank's local part is
+    committed, in the step after the save, where it shares that step with the local
+    write. "next_step": at the next step boundary after the commit, so the write and the
+    drain's copy land in two steps, each costing training less (BENCHMARKS.md, "A drain
+    at the next step boundary (session 45)"); the PFS step is durable about a step
+    later (a flush, at the last step or a preemption, starts it at once). "auto" (the
+    default): "next_step", but at the commit while every step is a local save
+    (local_interval = 1), where the next save would take the staged bytes back at that
+    boundary and the drain would read them back from the local disk."""
+
     helper_process: bool = False
     """Write each rank's local data file from a helper process (one per rank, without
     torch: about 17 MiB of memory) instead of a thread of the training process; the
@@ -219,6 +230,7 @@ STAGING_COPY = ("auto", "thread", "save")
 
 BACKGROUND_POLICY = ("auto", "idle", "normal")
 AGREEMENTS = ("auto", "gloo", "hub")
+DRAIN_START = ("auto", "commit", "next_step")
 
 
 def background_idle(ckpt, can_leave_idle: bool) -> bool:
@@ -341,6 +353,11 @@ def validate(ckpt, dump_folder: str) -> None:
         raise ConfigError(
             f"[checkpoint] background_policy = {ckpt.background_policy!r} is unknown. Fix: \"auto\" "
             "(the default), \"idle\" (SCHED_IDLE while on time) or \"normal\" (nice background_nice).")
+    if getattr(ckpt, "drain_start", "auto") not in DRAIN_START:
+        raise ConfigError(
+            f"[checkpoint] drain_start = {ckpt.drain_start!r} is unknown. Fix: \"auto\" (the default), "
+            '"commit" (a drain starts once its local step is committed) or "next_step" (at the step '
+            'boundary after).')
     if getattr(ckpt, "staging_copy", "auto") not in STAGING_COPY:
         raise ConfigError(
             f"[checkpoint] staging_copy = {ckpt.staging_copy!r} is unknown. Fix: \"auto\" (the "

@@ -14,6 +14,7 @@ drain is logged and counted; the older PFS steps stay. The training loop never w
 when it flushes (the last step, a preemption, close()).
 """
 
+import collections
 import contextlib
 import queue
 import threading
@@ -135,7 +136,9 @@ class PartSource:
 
 
 class PfsDrain:
-    """Queue of steps to copy to the PFS, and the thread that copies them.
+    """Queue of steps to copy to the PFS, and the thread that copies them. A step may
+    be held first (drain_start): the training thread submits it at its next step
+    boundary, so the step's local write and its drain do not share a step.
 
     `failed(tier, step, why)` and `done(job)` are the engine's: counting a failure,
     and what to do with a step once its drain is over (drop an uncommitted one, free
@@ -153,11 +156,25 @@ class PfsDrain:
         self.steps: set[int] = set()  # queued or in flight: retention keeps them
         self.last_seconds = 0.0
         self._q: queue.Queue = queue.Queue()
+        self._held: collections.deque = collections.deque()  # hold(): until take_held()
         self._thread = start_thread(self._loop, "ckpt-pfs-drainer")
 
     def submit(self, job) -> None:
         self.steps.add(job.step)
         self._q.put(job)
+
+    def hold(self, job) -> None:
+        """A step to drain later (drain_start = "next_step"): retention keeps it
+        meanwhile; the training thread submits it at its next step boundary."""
+        self.steps.add(job.step)
+        self._held.append(job)
+
+    def take_held(self) -> list:
+        """The held steps, oldest first, to submit (the deque's ends are thread-safe)."""
+        out = []
+        while self._held:
+            out.append(self._held.popleft())
+        return out
 
     def join(self) -> None:
         self._q.join()

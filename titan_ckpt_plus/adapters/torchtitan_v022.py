@@ -94,6 +94,7 @@ class TieredCheckpointManager(_StockManager):
             # a look saves nothing: no hub process for it
             agreements="gloo" if self.load_only else getattr(checkpoint_config, "agreements", "auto"),
             local_reshard=getattr(checkpoint_config, "local_reshard", True),
+            drain_start=getattr(checkpoint_config, "drain_start", "auto"),
             read_only=self.load_only,
         )
         # load_only (a look at a step, saving nothing) leaves the job's records as they were:
