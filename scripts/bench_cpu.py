@@ -134,7 +134,10 @@ def worker(flavor: str, out: Path) -> None:
     s = TierSettings(local_root=str(root / "local" / "job"), pfs_folder=str(root / "pfs"),
                      local_interval=2, pfs_interval=4, local_keep=2, pfs_keep=2,
                      rank=rank, world_size=world, first_on_node=rank == 0, node_ranks=list(range(world)),
-                     job_id="cpu", background_idle=can_leave_idle())
+                     job_id="cpu", background_idle=can_leave_idle(),
+                     # the drain begins in its save's window, as the rows read it (the default
+                     # holds it to the next save() call: the same CPU, a window later)
+                     drain_start="commit")
     functions = FunctionCpu()
     ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
 

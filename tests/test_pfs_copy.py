@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_ckpt_plus import drain, inspect, staging
+from titan_ckpt_plus import drain, faults, inspect, staging
 from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
 from titan_ckpt_plus.drain import PartSource, StagedBytes
 from titan_ckpt_plus.tiers import files, pfs as pfs_mod
@@ -527,14 +527,55 @@ def test_drain_start_next_step_holds_a_drain_until_the_next_step_boundary(pg, tm
             back = {"model": {"w": torch.empty(4096)}}
             dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / f"step-{step}"), process_group=pg)
             assert torch.equal(back["model"]["w"], torch.full((4096,), float(step)))
-        ckpt.s.drain_start = "auto"  # the default holds too, but not where every step saves
+        ckpt.s.drain_start = "auto"  # the default holds too, but not where the next step saves
         held = []
-        for every in (3, 1):
-            ckpt.schedule.local_interval = every
-            held.append(ckpt._hold_drain())
-        assert held == [True, False]
+        for local, pfs, step in ((3, 6, 6), (3, 4, 8), (1, 2, 6)):
+            ckpt.schedule.local_interval, ckpt.schedule.pfs_interval = local, pfs
+            held.append(ckpt._hold_drain(step))
+        assert held == [True, False, False]
     finally:
         ckpt.close()
+
+
+def test_a_pfs_step_whose_local_write_failed_drains_at_once_so_the_next_save_does_not_hang(
+        pg, tmp_path, monkeypatch):
+    """drain_start = "next_step", and PFS step 2's local write fails (a full disk): its
+    staged bytes are its only copy, so step 3's save waits for its drain. Step 2's vote
+    ends only once step 3's save has passed its boundary: a drain held to a boundary
+    would then never start, and that save would wait forever. It drains at once, from
+    the staged bytes."""
+    monkeypatch.setenv(faults.ENV, "enospc_local_write@2")
+    state = {"model": {"w": torch.zeros(4096)}, "train_state": {"step": 0}}
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"), local_interval=1,
+                     pfs_interval=2, local_keep=2, pfs_keep=3, rank=0, world_size=1, first_on_node=True,
+                     job_id="J", drain_start="next_step")
+    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    passed = threading.Event()
+    boundary, vote = ckpt._step_boundary, ckpt.votes.vote
+
+    def boundary_then(step):
+        boundary(step)
+        if step == 3:
+            passed.set()
+
+    def late_vote(flags, step, *rest):
+        if step == 2:
+            passed.wait(10)
+        return vote(flags, step, *rest)
+    ckpt._step_boundary, ckpt.votes.vote = boundary_then, late_vote
+    for step in (1, 2):
+        state["model"]["w"].fill_(step)
+        ckpt.save(step)
+    third = threading.Thread(target=ckpt.save, args=(3,), daemon=True)
+    third.start()
+    third.join(20)
+    if third.is_alive():
+        pytest.fail("step 3's save waited forever for a drain held to a boundary it had passed")
+    ckpt.close()
+    assert ckpt.stats.failed_saves == 1 and ckpt.pfs.steps() == [2]
+    back = {"model": {"w": torch.empty(4096)}}
+    dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / "step-2"), process_group=pg)
+    assert torch.equal(back["model"]["w"], torch.full((4096,), 2.0))
 
 
 def test_load_step_loads_that_step_from_the_tier_holding_it_and_the_steps_after_it_go(pg, tmp_path):

@@ -131,6 +131,7 @@ class _Job:
     beside_export: bool = False  # the PFS copy goes to full_state/step-N
     helper: ByteHelper | None = None  # moves the bytes, if the job has one (helper_process)
     generation: int = 0  # the staging buffer's (HostBuffer.generation) the job staged into
+    hold_drain: bool = False  # its drain waits for the next step boundary (_hold_drain)
 
 
 _REFUSED = "the job's state refused it: "
@@ -174,6 +175,7 @@ class TieredCheckpointer:
         self._buffer_free = threading.Event()
         self._buffer_free.set()
         self._loans: list[StagedBytes] = []  # staged bytes lent to drains, taken back by the next save
+        self._hand_over = threading.Lock()  # the writer and the training thread start drains in order
         self._last_layout: staging.StateLayout | None = None  # the last described (the writer's)
         self._pending_copy: device_copy.Copy | None = None
         self._pending = False
@@ -386,6 +388,7 @@ class TieredCheckpointer:
         self._buffer_free.wait()  # the writer still holds the buffer: part of delta
         waited = time.monotonic() - t0
         job, tensors = _Job(step, pfs_due, t0, beside_export=last_step and self.s.last_step_export), None
+        job.hold_drain = pfs_due and self._hold_drain(step)
         self._hub_alive()
         if self._helper_alive():  # the helper writes what the copy has staged, as it is staged
             job.helper = self.helper
@@ -1032,27 +1035,28 @@ class TieredCheckpointer:
     def _drain(self, job: _Job) -> None:
         """Hand a step to the drain, or hold it until the next step boundary, so the
         local write and the drain's copy cost two steps a little each instead of one
-        twice as much; late once the step it is handed over in ends."""
-        if self._hold_drain():
-            self.drain.hold(job)
-        else:
-            self._start_drain(job)
+        twice as much; late once the step it is handed over in ends. Steps reach the
+        drain in the order written, on every rank (its agreements are collectives). A
+        step whose local write failed is not held: the next save waits for its drain."""
+        self.drain.hold(job)
+        if not job.hold_drain or (job.loan is not None and not job.loan.reclaimable):
+            self._start_held_drains()
 
-    def _hold_drain(self) -> bool:
-        """drain_start: "next_step"; "auto" unless every step is a local save, where the
-        next save's copy would take the staged bytes back at that very boundary."""
+    def _hold_drain(self, step: int) -> bool:
+        """drain_start for a PFS save at `step`, decided in save(), where every rank's
+        schedule is the same: "next_step"; "auto" unless the next step saves too, whose
+        copy would take the staged bytes back at that very boundary."""
         if self.s.drain_start == "auto":
-            return self.schedule.local_interval > 1
+            return not self.schedule.due(step + 1)[0]
         return self.s.drain_start == "next_step"
 
-    def _start_drain(self, job: _Job) -> None:
-        self.background.begin(("drain", job.step))
-        self.drain.submit(job)
-
     def _start_held_drains(self) -> None:
-        """At a step boundary, or before the drains are waited for."""
-        for job in self.drain.take_held():
-            self._start_drain(job)
+        """At a step boundary, before the drains are waited for, or from the writer for
+        a step not held (after those held before it)."""
+        with self._hand_over:
+            for job in self.drain.take_held():
+                self.background.begin(("drain", job.step))
+                self.drain.submit(job)
 
     def _join_drains(self) -> None:
         self._start_held_drains()

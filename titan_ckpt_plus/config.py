@@ -148,9 +148,11 @@ class Checkpoint:
     drain's copy land in two steps, each costing training less (BENCHMARKS.md, "A drain
     at the next step boundary (session 45)"); the PFS step is durable about a step
     later (a flush, at the last step or a preemption, starts it at once). "auto" (the
-    default): "next_step", but at the commit while every step is a local save
-    (local_interval = 1), where the next save would take the staged bytes back at that
-    boundary and the drain would read them back from the local disk."""
+    default): "next_step", but at the commit when the step after the save saves too
+    (local_interval = 1, or a local save right after a PFS one), whose copy would take
+    the staged bytes back at that boundary, so the drain would read them back from the
+    local disk. A step whose local write failed drains at once (its bytes are held
+    until then)."""
 
     helper_process: bool = False
     """Write each rank's local data file from a helper process (one per rank, without

@@ -164,8 +164,7 @@ class PfsDrain:
         self._q.put(job)
 
     def hold(self, job) -> None:
-        """A step to drain later (drain_start = "next_step"): retention keeps it
-        meanwhile; the training thread submits it at its next step boundary."""
+        """A step to submit later (drain_start), in order: retention keeps it meanwhile."""
         self.steps.add(job.step)
         self._held.append(job)
 
