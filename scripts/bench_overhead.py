@@ -94,9 +94,11 @@ local file, checked), with O_DIRECT, verbatim when every item is this rank's; a 
 step is planned by DCP and the later ones reuse that plan and its Metadata; only the small
 non-tensor items are serialized, each value once. The period column sums every step's
 extra time over a PFS period (two local saves, one of them drained), so work moved from one
-step to another shows there: starting a drain one step later (tried) moved +0.05 off the
-drain's step and added +0.09 to the period (4 jobs each way, interleaved), so drains start at
-once. The staging copy in save() against its own thread, on 2 ranks: debugmodel's period
+step to another shows there. A drain starts at the step boundary after its local commit
+(drain_start = "auto", since session 45), so a PFS save's step holds its local save alone
+(counted with the local saves) and the next step the drain: on debugmodel the worst step of
+a period went from +0.108-0.122 to +0.068-0.071, the period's sum within its noise (section
+"A drain at the next step boundary (session 45)"). The staging copy in save() against its own thread, on 2 ranks: debugmodel's period
 cost less in save() each time it was compared (+0.35 / +0.44 in 7 interleaved A/B jobs each
 way; +0.20 / +0.24 in session 39's rows), 100M's more (+0.40 / +0.26, 3 jobs each way), each
 job's figures +-0.05 or more apart; in save() the copy also blocks training for all of its
@@ -344,8 +346,9 @@ class BareMover:
 def step_classes(work: Path, steps: int) -> dict[int, str]:
     """Each step's class: during a local-only save ("local": the step after it, which
     the copy and the write overlap), during a PFS save's local save and the start of
-    its drain ("local_drain": the step after the save, which holds both), during the
-    rest of a drain ("drain": a later step overlapping its window), undisturbed
+    its drain ("local_drain": the step after the save, which holds both; a drain held to
+    the next step boundary leaves that step "local"), during the rest of a drain, or
+    the whole of a held one ("drain": a later step overlapping its window), undisturbed
     (neither). A layout's first save and first drain are apart ("first_local",
     "first_drain"): they allocate the staging buffer (its pages are touched once) and
     let DCP plan the layout, once per job. Not the last step: it flushes."""
@@ -442,7 +445,7 @@ def median_pair(pairs: list[tuple[int, int]]) -> tuple[int, int]:
 
 INFLATION = {"local": "a local save",
              "local_drain": "a PFS save's local save and the start of its drain (the step after it holds both)",
-             "drain": "the rest of a PFS drain"}
+             "drain": "a PFS drain after its save's step (the whole drain, held to the next step boundary)"}
 
 
 def _group(thread: str) -> str:
