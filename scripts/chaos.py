@@ -269,7 +269,8 @@ def killed_by(fault: str) -> bool:
 
 
 MULTI = ("--checkpoint.replication_factor", "1")
-# A kill after step 11 that expects PFS step 8: that drain starts in step 9, so the
+# A kill after step 11 that expects PFS step 8: that drain starts in step 9 (held to the
+# step boundary after its commit: in step 10, where the commit comes in step 9), so the
 # save call of step 11 returns 1.5 s late first (slow_step), else on a loaded machine
 # the drain is not done at the kill (dp-2-to-1 failed so in a bench_all run) and the
 # restart rightly takes PFS step 4, which for flip-pfs hides the flip it tests.

@@ -571,7 +571,7 @@ def test_staging_copy_save_copies_in_save_unless_a_drain_still_reads_the_buffer(
     ckpt.save(6)
     want6 = {k: v.clone() for k, v in state.items()}
     ckpt._write_q.join()
-    ckpt._join_drains()  # held to the next boundary (drain_start), started here
+    ckpt.drain.join()  # starts it: held to the next boundary (drain_start)
     (lent,) = ckpt._loans
     assert lent.returned and ckpt.pfs.steps() == [6]
     for t in state.values():

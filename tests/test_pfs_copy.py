@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -506,6 +507,7 @@ def test_drain_start_next_step_holds_a_drain_until_the_next_step_boundary(pg, tm
                      pfs_interval=2, local_keep=2, pfs_keep=3, rank=0, world_size=1, first_on_node=True,
                      job_id="J", drain_start="next_step")
     ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    ckpt.drain._overdue_s = lambda: 60.0  # no late start by the drain thread here
     try:
         for step in (1, 2):
             state["model"]["w"].fill_(step)
@@ -513,10 +515,11 @@ def test_drain_start_next_step_holds_a_drain_until_the_next_step_boundary(pg, tm
         ckpt.wait_for_staging()
         ckpt._write_q.join()  # step 2 is committed; its drain is held
         assert ckpt.local.committed_steps() == [1, 2] and ckpt.drain.steps == {2}
-        assert [job.step for job in ckpt.drain._held] == [2] and ckpt.drain._q.empty()
+        assert [job.step for job, _ in ckpt.drain._held] == [2] and ckpt.drain._q.empty()
         assert (ckpt.stats.drains, ckpt.pfs.steps()) == (0, [])
         state["model"]["w"].fill_(3)
         ckpt.save(3)  # the boundary hands step 2 over before step 3 is staged
+        assert not ckpt.drain._held
         ckpt.drain.join()
         assert (ckpt.stats.drains, ckpt.pfs.steps()) == (1, [2])
         state["model"]["w"].fill_(4)
@@ -533,6 +536,41 @@ def test_drain_start_next_step_holds_a_drain_until_the_next_step_boundary(pg, tm
             ckpt.schedule.local_interval, ckpt.schedule.pfs_interval = local, pfs
             held.append(ckpt._hold_drain(step))
         assert held == [True, False, False]
+    finally:
+        ckpt.close()
+
+
+def test_a_held_drain_whose_boundary_never_comes_is_started_by_the_drain_thread(pg, tmp_path):
+    """A rank's training stops on an exception after a PFS save while its peers wait in
+    a collective: no step boundary comes on them, and the failing rank's close() would
+    wait for their held drains. Once overdue the drain thread starts a held drain
+    itself. And a step some rank could not write (not committed, drainable) is never
+    held, on any rank: a rank whose write failed waits for that drain in its next save."""
+    state = {"model": {"w": torch.full((4096,), 2.0)}, "train_state": {"step": 0}}
+    s = TierSettings(local_root=str(tmp_path / "local"), pfs_folder=str(tmp_path / "pfs"), local_interval=1,
+                     pfs_interval=2, local_keep=2, pfs_keep=3, rank=0, world_size=1, first_on_node=True,
+                     job_id="J", drain_start="next_step")
+    ckpt = TieredCheckpointer(s, lambda: state, EventLog(None))
+    ckpt.drain._overdue_s = lambda: 0.2
+    vote = ckpt.votes.vote
+
+    def another_rank_failed(flags, step, *rest):
+        (committed, drainable), done = vote(flags, step, *rest)
+        return (committed and step != 4, drainable), done
+    ckpt.votes.vote = another_rank_failed
+    try:
+        ckpt.save(2)  # and no save after it
+        deadline = time.monotonic() + 20
+        while ckpt.stats.drains < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ckpt.pfs.steps() == [2], "a held drain waited for a boundary that never came"
+        ckpt.drain._overdue_s = lambda: 60.0
+        state["model"]["w"].fill_(4)
+        ckpt.save(4)
+        ckpt._write_q.join()  # step 4 is not committed (as voted) but drainable: started at once
+        assert not ckpt.drain._held and 4 not in ckpt.local.committed_steps()
+        ckpt.drain._q.join()
+        assert ckpt.pfs.steps() == [2, 4]
     finally:
         ckpt.close()
 
@@ -558,11 +596,14 @@ def test_a_pfs_step_whose_local_write_failed_drains_at_once_so_the_next_save_doe
         if step == 3:
             passed.set()
 
+    waited = []
+
     def late_vote(flags, step, *rest):
         if step == 2:
-            passed.wait(10)
+            waited.append(passed.wait(10))
         return vote(flags, step, *rest)
     ckpt._step_boundary, ckpt.votes.vote = boundary_then, late_vote
+    ckpt.drain._overdue_s = lambda: 60.0  # no late start by the drain thread here
     for step in (1, 2):
         state["model"]["w"].fill_(step)
         ckpt.save(step)
@@ -572,6 +613,7 @@ def test_a_pfs_step_whose_local_write_failed_drains_at_once_so_the_next_save_doe
     if third.is_alive():
         pytest.fail("step 3's save waited forever for a drain held to a boundary it had passed")
     ckpt.close()
+    assert waited == [True], "step 2's vote did not wait for step 3's boundary: the hang was not tested"
     assert ckpt.stats.failed_saves == 1 and ckpt.pfs.steps() == [2]
     back = {"model": {"w": torch.empty(4096)}}
     dcp.load(back, checkpoint_id=str(tmp_path / "pfs" / "step-2"), process_group=pg)

@@ -175,7 +175,6 @@ class TieredCheckpointer:
         self._buffer_free = threading.Event()
         self._buffer_free.set()
         self._loans: list[StagedBytes] = []  # staged bytes lent to drains, taken back by the next save
-        self._hand_over = threading.Lock()  # the writer and the training thread start drains in order
         self._last_layout: staging.StateLayout | None = None  # the last described (the writer's)
         self._pending_copy: device_copy.Copy | None = None
         self._pending = False
@@ -207,7 +206,9 @@ class TieredCheckpointer:
         self.drain = PfsDrain(self.local, self.pfs, self.stats, events,
                               lambda target, name: self._background(target, name, idle=False),
                               drain_votes, self.record_failure, self._drained,
-                              self._info, yielding=self.background.yielding)
+                              self._info, yielding=self.background.yielding,
+                              started=lambda job: self.background.begin(("drain", job.step)),
+                              overdue_s=lambda: max(1.0, 3 * self._step_time))
         self.schedule = SaveSchedule(s.local_interval, s.pfs_interval, adaptive=adaptive)
         self.policy = policy  # adaptive: sets the intervals; else only compared with them
         # The training thread's own group (interval decisions, preemption agreement):
@@ -437,7 +438,7 @@ class TieredCheckpointer:
         more work than at normal priority."""
         promotions = self.background.promotions
         late = self.background.boundary()
-        self._start_held_drains()
+        self.drain.start_held()
         if self.background.promotions > promotions:
             self.events.record("background_late", step=step, late=[f"{k} {s}" for k, s in late],
                                promoted=self.background.enabled)
@@ -591,7 +592,7 @@ class TieredCheckpointer:
             return newest_pfs, (f"not promoting local step {job.step}: the drain takes about "
                                 f"{estimate:.1f}s, {remaining:.1f}s of grace left")
         self._drain(job)
-        self._join_drains()
+        self.drain.join()
         if self.stats.last_drained == job.step:
             return job.step, f"promoted local step {job.step} to the PFS"
         return newest_pfs, f"promoting local step {job.step} failed (see above)"
@@ -604,7 +605,7 @@ class TieredCheckpointer:
             self.background.promote()
         self.wait_for_staging()
         self._write_q.join()
-        self._join_drains()
+        self.drain.join()
 
     def close(self) -> None:
         self.flush()
@@ -910,6 +911,9 @@ class TieredCheckpointer:
             if job.ok:
                 self.record_failure("local", job.step, "another rank's part failed")
             if job.pfs_due and drainable:
+                # at once, on every rank alike: a rank whose write failed holds its staged
+                # bytes (the buffer) until this drain is done, and its next save waits for it
+                job.hold_drain = False
                 self._drain(job)  # from this rank's uncommitted part or memory
             else:
                 self._drained(job)
@@ -1035,12 +1039,8 @@ class TieredCheckpointer:
     def _drain(self, job: _Job) -> None:
         """Hand a step to the drain, or hold it until the next step boundary, so the
         local write and the drain's copy cost two steps a little each instead of one
-        twice as much; late once the step it is handed over in ends. Steps reach the
-        drain in the order written, on every rank (its agreements are collectives). A
-        step whose local write failed is not held: the next save waits for its drain."""
-        self.drain.hold(job)
-        if not job.hold_drain or (job.loan is not None and not job.loan.reclaimable):
-            self._start_held_drains()
+        twice as much; late once the step it is handed over in ends."""
+        self.drain.submit(job, hold=job.hold_drain)
 
     def _hold_drain(self, step: int) -> bool:
         """drain_start for a PFS save at `step`, decided in save(), where every rank's
@@ -1049,18 +1049,6 @@ class TieredCheckpointer:
         if self.s.drain_start == "auto":
             return not self.schedule.due(step + 1)[0]
         return self.s.drain_start == "next_step"
-
-    def _start_held_drains(self) -> None:
-        """At a step boundary, before the drains are waited for, or from the writer for
-        a step not held (after those held before it)."""
-        with self._hand_over:
-            for job in self.drain.take_held():
-                self.background.begin(("drain", job.step))
-                self.drain.submit(job)
-
-    def _join_drains(self) -> None:
-        self._start_held_drains()
-        self.drain.join()
 
     def _drained(self, job: _Job) -> None:
         """A step's drain is over (or none comes): free the staging buffer it held, and

@@ -151,8 +151,8 @@ class Checkpoint:
     default): "next_step", but at the commit when the step after the save saves too
     (local_interval = 1, or a local save right after a PFS one), whose copy would take
     the staged bytes back at that boundary, so the drain would read them back from the
-    local disk. A step whose local write failed drains at once (its bytes are held
-    until then)."""
+    local disk. A step some rank could not write (not committed) drains at once, on
+    every rank (that rank's staged bytes are held until then)."""
 
     helper_process: bool = False
     """Write each rank's local data file from a helper process (one per rank, without

@@ -135,55 +135,79 @@ class PartSource:
             yield from files.read_spans(self.path, self.expect, spans, resume=resume)
 
 
+# How often the drain thread looks for a held step whose boundary never came.
+HELD_POLL_S = 0.5
+
+
 class PfsDrain:
     """Queue of steps to copy to the PFS, and the thread that copies them. A step may
-    be held first (drain_start): the training thread submits it at its next step
-    boundary, so the step's local write and its drain do not share a step.
+    be held first (drain_start): started at the training thread's next step boundary
+    (start_held), so the step's local write and its drain do not share a step.
+
+    Every step goes through the held queue, and is started under one lock, so each rank
+    starts its drains in the order their steps were written: their agreements are
+    collectives. A held step whose boundary does not come (a rank's training stopped on
+    an exception, its peers wait in a collective) is started by the drain thread once
+    `overdue_s()` old, so a rank's close() never waits for a peer's held drain.
 
     `failed(tier, step, why)` and `done(job)` are the engine's: counting a failure,
     and what to do with a step once its drain is over (drop an uncommitted one, free
-    the staging buffer it held)."""
+    the staging buffer it held); `started(job)` marks it in flight."""
 
     def __init__(self, local: LocalTier, pfs: PfsTier, stats, events, start_thread: Callable, votes,
                  failed: Callable, done: Callable, info: Callable,
-                 yielding: Callable = contextlib.nullcontext) -> None:
+                 yielding: Callable = contextlib.nullcontext, started: Callable = lambda job: None,
+                 overdue_s: Callable[[], float] = lambda: 1.0) -> None:
         self.local, self.pfs, self.stats, self.events = local, pfs, stats, events
-        self._failed, self._done, self._info = failed, done, info
+        self._failed, self._done, self._info, self._started = failed, done, info, started
         self._yielding = yielding  # PartSource's
+        self._overdue_s = overdue_s
         # how the ranks agree (votes.py): its own gloo group, its collectives never
         # interleaved with others', or its own stream through the hub
         self.votes = votes
-        self.steps: set[int] = set()  # queued or in flight: retention keeps them
+        self.steps: set[int] = set()  # held, queued or in flight: retention keeps them
         self.last_seconds = 0.0
         self._q: queue.Queue = queue.Queue()
-        self._held: collections.deque = collections.deque()  # hold(): until take_held()
+        self._held: collections.deque = collections.deque()  # (job, when held), oldest first
+        self._hand_over = threading.Lock()
         self._thread = start_thread(self._loop, "ckpt-pfs-drainer")
 
-    def submit(self, job) -> None:
+    def submit(self, job, hold: bool = False) -> None:
+        """Drain a step after those held before it; `hold`: not before start_held()."""
         self.steps.add(job.step)
-        self._q.put(job)
+        self._held.append((job, time.monotonic()))
+        if not hold:
+            self.start_held()
 
-    def hold(self, job) -> None:
-        """A step to submit later (drain_start), in order: retention keeps it meanwhile."""
-        self.steps.add(job.step)
-        self._held.append(job)
-
-    def take_held(self) -> list:
-        """The held steps, oldest first, to submit (the deque's ends are thread-safe)."""
-        out = []
-        while self._held:
-            out.append(self._held.popleft())
-        return out
+    def start_held(self) -> None:
+        """Start every held step, oldest first: at a step boundary, a flush, or late."""
+        with self._hand_over:
+            while self._held:
+                job, _ = self._held.popleft()
+                self._started(job)
+                self._q.put(job)
 
     def join(self) -> None:
+        """Every step submitted so far drained, the held ones started first."""
+        self.start_held()
         self._q.join()
 
     def close(self) -> None:
         self._q.put(None)
         self._thread.join()
 
+    def _next(self):
+        """The next step to drain; held ones left past overdue_s() are started meanwhile."""
+        while True:
+            try:
+                return self._q.get(timeout=HELD_POLL_S)
+            except queue.Empty:
+                oldest = self._held[0][1] if self._held else None
+                if oldest is not None and time.monotonic() - oldest > self._overdue_s():
+                    self.start_held()
+
     def _loop(self) -> None:
-        while (job := self._q.get()) is not None:
+        while (job := self._next()) is not None:
             try:
                 self._drain(job)
             except BaseException as e:  # the drainer must outlive any one drain

@@ -89,8 +89,7 @@ class IdleWhileOnTime:
     training leaves no core idle (pipeline parallel on CPU) idle threads starve: a save
     was not committed two steps later, and a failure then loses more work. So work
     still in flight when the step it began in ends is late (a save's write: at the
-    end of the step after the save; a drain: of the step the writer handed it over
-    in): at that step boundary every checkpointer thread returns to the normal class,
+    end of the step after the save; a drain: of the step it was handed over in): at that step boundary every checkpointer thread returns to the normal class,
     and goes back to SCHED_IDLE at the first boundary with nothing in flight. A commit
     then comes at most about a step later than at normal priority.
 
