@@ -202,8 +202,9 @@ class PfsDrain:
             try:
                 return self._q.get(timeout=HELD_POLL_S)
             except queue.Empty:
-                oldest = self._held[0][1] if self._held else None
-                if oldest is not None and time.monotonic() - oldest > self._overdue_s():
+                with self._hand_over:  # the training thread may empty _held meanwhile
+                    overdue = bool(self._held) and time.monotonic() - self._held[0][1] > self._overdue_s()
+                if overdue:
                     self.start_held()
 
     def _loop(self) -> None:
