@@ -408,7 +408,7 @@ def test_a_partly_loaded_state_is_loaded_over_whole_or_refused():
     """After a resharded load failed midway, PFS step 0 (the model alone) would leave
     the optimizer partly that step's: refused with the fix; a whole state is not."""
     from titan_ckpt_plus.adapters.torchtitan_v022 import refuse_a_partial_state
-    from titan_ckpt_plus.checkpointer import Recovery
+    from titan_ckpt_plus.restore import Recovery
 
     with pytest.raises(RuntimeError, match=r"local step 6 .*local_reshard = false"):
         refuse_a_partial_state(Recovery("pfs", step=0, partly_loaded=6))
