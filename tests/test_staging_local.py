@@ -766,32 +766,16 @@ def _one_rank_engine(tmp_path, state):
 def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_path):
     """The exchange itself fails (a peer gone, the group's timeout): the save is counted
     failed and not committed, the writer thread lives on, and the next save commits."""
-    import threading
     from types import SimpleNamespace
 
-    import torch.distributed as dist
-
-    ckpt = _one_rank_engine(tmp_path, {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}})
-
-    def broken(*_a, **_k):
-        raise RuntimeError("[gloo] Connection closed by peer")
-    ckpt.placement = SimpleNamespace(peers=lambda r: [0], sources=lambda r: [0])
-    ckpt.wire = SimpleNamespace(exchange=broken)
-    writer_alive = True
-    try:
-        for step in (1, 2):
-            flushed = threading.Thread(target=lambda: (ckpt.save(step), ckpt.flush()), daemon=True)
-            flushed.start()
-            flushed.join(timeout=30)
-            writer_alive = not flushed.is_alive()
-            assert writer_alive, f"step {step}'s save never ended: the writer thread is gone"
+    def inject(ckpt):
+        def broken(*_a, **_k):
             ckpt.placement = None  # step 2 replicates nothing
-        assert ckpt.stats.failed_replicas == 1 and ckpt.stats.saves == 1
-        assert ckpt.local.committed_steps() == [2]
-    finally:
-        if writer_alive:  # else close() would wait for it for ever
-            ckpt.close()
-        dist.destroy_process_group()
+            raise RuntimeError("[gloo] Connection closed by peer")
+        ckpt.placement = SimpleNamespace(peers=lambda r: [0], sources=lambda r: [0])
+        ckpt.wire = SimpleNamespace(exchange=broken)
+    ended, stats, committed = _after_one_failure(tmp_path, inject)
+    assert ended and (stats.failed_replicas, stats.saves, committed) == (1, 1, [2])
 
 
 def test_a_failed_staging_copy_fails_its_save_alone_and_each_part_names_its_own_layout(tmp_path, monkeypatch):
@@ -828,3 +812,75 @@ def test_a_failed_staging_copy_fails_its_save_alone_and_each_part_names_its_own_
     finally:
         ckpt.close()
         dist.destroy_process_group()
+
+
+
+def _after_one_failure(tmp_path, inject) -> tuple:
+    """Steps 1 and 2 saved and flushed, each on a thread, after `inject(ckpt)` made
+    something of step 1's save fail: (whether both ended within 30 s, else the writer
+    thread is gone or waits for ever and close() would too; the engine's counts; the
+    committed steps)."""
+    import threading
+
+    import torch.distributed as dist
+
+    ckpt = _one_rank_engine(tmp_path, {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}})
+    inject(ckpt)
+    ended = True
+    try:
+        for step in (1, 2):
+            done = threading.Thread(target=lambda: (ckpt.save(step), ckpt.flush()), daemon=True)
+            done.start()
+            done.join(timeout=30)
+            ended = ended and not done.is_alive()
+        return ended, ckpt.stats, ckpt.local.committed_steps()
+    finally:
+        if ended:
+            ckpt.close()
+        dist.destroy_process_group()
+
+
+def _once(real, fail, exc: Exception):
+    """`real`, raising `exc` instead where `fail(*args, **kwargs)`."""
+    def call(*args, **kwargs):
+        if fail(*args, **kwargs):
+            raise exc
+        return real(*args, **kwargs)
+    return call
+
+
+def test_a_device_error_at_the_save_point_fails_that_save_and_not_the_writer(tmp_path):
+    """The save point (a CUDA event on GPUs) raises, a device error: that save is counted
+    failed before its job reaches the writer, which would otherwise wait for ever for a
+    copy that never comes (and close() with it); the next save commits."""
+    calls = []
+
+    def inject(ckpt):
+        ckpt.device.save_point = _once(ckpt.device.save_point, lambda: not calls.append(1) and len(calls) == 1,
+                                       RuntimeError("CUDA error: an illegal memory access was encountered"))
+    ended, stats, committed = _after_one_failure(tmp_path, inject)
+    assert ended and (stats.failed_saves, committed) == (1, [2])
+
+
+def test_a_commit_marker_that_fails_with_any_error_fails_that_save_and_not_the_writer(tmp_path):
+    """The marker's write raises something other than an OSError (the byte helper's
+    reply, a CorruptCheckpoint): that save is counted failed, the writer thread lives
+    on, and the next save commits."""
+    from titan_ckpt_plus.tiers.files import CorruptCheckpoint
+
+    def inject(ckpt):
+        ckpt.local.commit = _once(ckpt.local.commit, lambda step, info: step == 1,
+                                  CorruptCheckpoint("the helper's reply: bad frame"))
+    ended, stats, committed = _after_one_failure(tmp_path, inject)
+    assert ended and (stats.failed_saves, committed) == (1, [2])
+
+
+def test_an_unexpected_error_in_the_writer_is_counted_and_the_thread_lives_on(tmp_path):
+    """Any exception out of a save's write (here the event log's record after the
+    commit) is a failed save, logged and counted: the writer thread goes on, so the
+    next save and close() do not wait for it for ever."""
+    def inject(ckpt):
+        ckpt.events.record = _once(ckpt.events.record, lambda kind, **f: kind == "local_commit" and f["step"] == 1,
+                                   TypeError("an event field that does not serialize"))
+    ended, stats, committed = _after_one_failure(tmp_path, inject)
+    assert ended and (stats.failed_saves, committed) == (1, [1, 2])

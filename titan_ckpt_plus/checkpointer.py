@@ -387,6 +387,10 @@ class TieredCheckpointer:
             if job.helper is not None:  # a new buffer (the state grew) goes to the helper once
                 job.helper.share(job.generation, self.buffer.fd, self.buffer.data.numel())
                 job.progress.listener = job.helper.progress(step, job.layout.total_bytes)
+            # After capture: the copy waits for every kernel queued so far, the update too.
+            # Before the job is queued: a device error here fails this save, and the
+            # writer never waits for a copy that will not come.
+            copy = self.device.save_point()
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
             job.progress.fail()
@@ -397,8 +401,7 @@ class TieredCheckpointer:
         if tensors is None:
             job.staged.set()  # the failed job still goes to the writer: it must vote
         else:
-            # After capture: the copy waits for every kernel queued so far, the update too.
-            self._pending_copy = copy = self.device.save_point()
+            self._pending_copy = copy
             if inline:  # the last step (flushed below), no overlap, or _copy_in_save()
                 self._copy(job, tensors, copy)
             else:
@@ -562,19 +565,22 @@ class TieredCheckpointer:
         self.flush()
         job = self._last_committed_job
         estimate = self.drain.last_seconds or 2 * self._last_local_write
-        t = torch.tensor([estimate, time.monotonic() - deadline], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)  # worst rank
-        estimate, remaining = float(t[0]), -float(t[1])
         on_pfs = self.pfs.steps()
-        newest_pfs = on_pfs[-1] if on_pfs else -1
+        # the newest PFS step any rank sees: a rank whose file system client has not seen
+        # the last seal yet must not enter a drain its peers skip
+        t = torch.tensor([estimate, time.monotonic() - deadline, on_pfs[-1] if on_pfs else -1],
+                         dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.main_pg)  # worst rank
+        estimate, remaining, newest_pfs = float(t[0]), -float(t[1]), int(t[2])
         if job is None or job.step <= newest_pfs:
             return newest_pfs, "the newest local step is already on the PFS"
         if estimate > remaining:
             return newest_pfs, (f"not promoting local step {job.step}: the drain takes about "
                                 f"{estimate:.1f}s, {remaining:.1f}s of grace left")
+        failed = self.stats.failed_drains  # last_drained may be this step's from before
         self._drain(job)
         self.drain.join()
-        if self.stats.last_drained == job.step:
+        if self.stats.last_drained == job.step and self.stats.failed_drains == failed:
             return job.step, f"promoted local step {job.step} to the PFS"
         return newest_pfs, f"promoting local step {job.step} failed (see above)"
 
@@ -630,6 +636,10 @@ class TieredCheckpointer:
         while (job := self._write_q.get()) is not None:
             try:
                 self._write(job)
+            except Exception as e:  # the thread must go on: the next save waits for it
+                self.record_failure("local", job.step, f"the writer: {e!r}")
+                if job.loan is None or job.loan.reclaimable:
+                    self._buffer_free.set()
             finally:
                 self.background.end(("write", job.step))
                 self._write_q.task_done()
@@ -714,7 +724,7 @@ class TieredCheckpointer:
                 raise OSError(done)
             if done is None and marker is not None:
                 self._on_local(helper, job.step, "commit", marker)
-        except OSError as e:  # not a recovery candidate on this node; the drain goes on as voted
+        except Exception as e:  # not a recovery candidate on this node; the drain goes on as voted
             self.record_failure("local", job.step, f"commit marker: {e!r}")
         else:
             clock.mark("commit")
@@ -734,7 +744,7 @@ class TieredCheckpointer:
         if done is None:
             try:
                 self._on_local(helper, job.step, "retain", *keep)
-            except OSError as e:
+            except Exception as e:  # OSError, or the byte helper's reply (CorruptCheckpoint)
                 log.warning(f"[titan_ckpt_plus] local retention failed: {e!r}")
 
     @staticmethod

@@ -46,7 +46,7 @@ def reshard_plans(parts: list[dict], nodes: list[int], skip=()) -> dict[int, tup
     world size whose every part some node folder holds: each node folder lacking a part
     may get it from a node holding it (node first ranks send and receive; fetch_order
     picks which): its manifest and layout, which DCP's metadata is made from, and its
-    data where a rank of the node reads it (checkpointer._fetch_read). `parts[r]`: step -> (old
+    data where a rank of the node reads it (restore.Restorer._fetch_read). `parts[r]`: step -> (old
     world size, old ranks whose parts rank r's node folder holds: other_layout_parts);
     `nodes[r]`: the first rank of r's node. A step the nodes saw at different world
     sizes is left out, and so is one in `skip` (a node holds it in this layout: a fetch
@@ -96,6 +96,31 @@ def fetch_order(plan: list) -> list[tuple[int, int, int]]:
         busy.update((holder, receiver))
         moves.append((holder, receiver, old))
     return [move for _, moves in rounds for move in moves]
+
+
+def common_pfs_steps(views: list[tuple[dict, str]]) -> tuple[list[int], list[tuple[int, str]]]:
+    """The PFS steps every rank sees alike, and why each other one is left out.
+    `views[r]`: rank r's (step -> the folder it would load that step from, why it
+    could not list the PFS folder or ""). Each rank lists the PFS itself, and a
+    shared file system's clients may disagree for a while (a step sealed just before
+    a failure, a stale cache): ranks that tried different steps would load different
+    states, or wait in different collectives."""
+    if not views:
+        return [], []
+    unlisted = [f"rank {r}: {why}" for r, (_, why) in enumerate(views) if why]
+    seen = set().union(*(set(v) for v, _ in views))
+    common, left = [], []
+    for step in sorted(seen):
+        folders = [v.get(step) for v, _ in views]
+        if len(set(folders)) == 1:
+            common.append(step)
+        elif unlisted:
+            left.append((step, "not every rank could list the PFS folder (" + "; ".join(unlisted[:4]) + ")"))
+        else:
+            lack = [r for r, f in enumerate(folders) if f is None]
+            left.append((step, f"ranks {lack[:8]} do not see it (a file system client's stale view?)" if lack
+                         else "the ranks see it in different folders: " + ", ".join(sorted(set(map(str, folders))))))
+    return common, left
 
 
 def ordered_candidates(reports: list[dict], pfs_steps: list[int],

@@ -67,15 +67,9 @@ class Restorer:
         would fetch some is skipped; the PFS step loads instead)."""
         rec = Recovery(None)
         gathered: list = [None] * self.s.world_size
-        held = self.local.held_parts(self.s.layout_tags)
-        other = self.local.other_layout_steps(held, self.s.layout_tags)
-        try:
-            if not self.s.read_only:
-                self.local.mark_old_layout(other, held)
-        except OSError as e:  # retention then counts them as this run's: worth a line, not the job
-            log.warning(f"[titan_ckpt_plus] could not mark local steps {sorted(other)} as another layout's: {e!r}")
-        parts = self.local.other_layout_parts(other) if self.s.local_reshard and load_resharded else {}
-        dist.all_gather_object(gathered, (held, other, parts, self._node_ranks()[0]), group=self.pg)
+        held, other, parts = self._local_view(load_resharded is not None)
+        dist.all_gather_object(gathered, (held, other, parts, self._node_ranks()[0], self._pfs_view()),
+                               group=self.pg)
         reports = [g[0] for g in gathered]
         other = {s: why for g in gathered for s, why in g[1].items()}
         reshardable = recovery.reshard_plans([g[2] for g in gathered], [g[3] for g in gathered],
@@ -91,8 +85,9 @@ class Restorer:
                                     "fetches nothing into them"))
         for step, ranks in recovery.missing_parts(reports).items():
             rec.skipped.append(("local", step, f"no valid part of ranks {ranks[:8]} on any node"))
-        pfs_steps = self.pfs.steps()
-        rec.steps_found = sorted({s for r in reports for s in r} | set(other) | set(pfs_steps))
+        pfs_steps, unseen = recovery.common_pfs_steps([g[4] for g in gathered])
+        rec.skipped += [("pfs", step, why) for step, why in unseen]
+        rec.steps_found = sorted({s for r in reports for s in r} | set(other) | {s for g in gathered for s in g[4][0]})
         cands = recovery.ordered_candidates(reports, pfs_steps, reshardable)
         if only_step != -1:  # load_step: that step alone, and only its skips said
             rec.skipped = [x for x in rec.skipped if x[1] == only_step]
@@ -121,20 +116,57 @@ class Restorer:
         rec.bytes_total = {"local": int(totals[0]), "peer": int(totals[1])}
         return rec
 
+    def _local_view(self, reshard: bool) -> tuple[dict, dict, dict]:
+        """This node folder's committed steps as recover() gathers them: parts held in
+        this layout, steps of another layout, and those steps' parts (`reshard`). A
+        folder this rank cannot read (a failing disk) holds nothing: it must not raise
+        before the gather its peers wait in; its parts then come from replicas or the PFS."""
+        try:
+            held = self.local.held_parts(self.s.layout_tags)
+            other = self.local.other_layout_steps(held, self.s.layout_tags)
+        except OSError as e:
+            log.warning(f"[titan_ckpt_plus] rank {self.s.rank} could not read its local steps ({e!r}): it "
+                        "reports none, so the job loads from replicas or the PFS")
+            return {}, {}, {}
+        try:
+            if not self.s.read_only:
+                self.local.mark_old_layout(other, held)
+        except OSError as e:  # retention then counts them as this run's: worth a line, not the job
+            log.warning(f"[titan_ckpt_plus] could not mark local steps {sorted(other)} as another layout's: {e!r}")
+        try:
+            parts = self.local.other_layout_parts(other) if self.s.local_reshard and reshard else {}
+        except OSError as e:
+            log.warning(f"[titan_ckpt_plus] could not read local steps {sorted(other)} of another layout ({e!r})")
+            parts = {}
+        return held, other, parts
+
+    def _pfs_view(self) -> tuple[dict, str]:
+        """(step -> the folder this rank would load it from, "") of the PFS steps it
+        sees, or ({}, why) where it cannot list them: gathered, so every rank tries the
+        same PFS steps (recovery.common_pfs_steps)."""
+        try:
+            return {s: self.pfs.step_dir(s) for s in self.pfs.steps()}, ""
+        except OSError as e:
+            return {}, repr(e)
+
     def _fetch_local(self, step: int, plan: list, rec: Recovery):
         """This rank's part of `step`: from its node folder, or sent by a holder.
         Every rank walks `plan` in the same order, so the transfers pair up."""
-        me, part, why = self.s.rank, None, ""
+        me, part, why, sender = self.s.rank, None, "", ""
         wire = Wire(self.pg)
-        limit = shutil.disk_usage(self.local.root).free + (1 << 30)
+        try:
+            limit = shutil.disk_usage(self.local.root).free + (1 << 30)
+        except OSError as e:  # still walk the plan, refusing what comes (limit 0): the pairs stay in step
+            limit, why = 0, f"its node folder: {e!r}"
         for holder, receiver in plan:
             if me == holder:
                 self._send_part(wire, step, receiver, receiver, limit)
             elif me == receiver:
-                part, why = wire.exchange(None, None, holder, limit)
+                part, got = wire.exchange(None, None, holder, limit)
+                why = why or got
                 if part is not None:
                     rec.bytes_read["peer"] += part.nbytes()
-                    why = f"from rank {holder}: {why}" if why else ""
+                    sender = f"its part from rank {holder}: "
         try:
             if why:
                 return None, why
@@ -148,7 +180,7 @@ class Restorer:
             buf = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
             return staging.rebuild(layout, buf), ""
         except Exception as e:
-            return None, str(e) if isinstance(e, CorruptCheckpoint) else repr(e)
+            return None, sender + (str(e) if isinstance(e, CorruptCheckpoint) else repr(e))
 
     def _node_ranks(self) -> list[int]:
         return self.s.node_ranks if self.s.rank in self.s.node_ranks else [self.s.rank]
@@ -229,8 +261,8 @@ class Restorer:
             try:
                 limit = shutil.disk_usage(self.local.root).free
                 self.local.adopt_step(step, world_size)
-            except OSError as e:  # still walk the plan (refusing what comes): the holders send regardless
-                why = f"marking step {step}'s folder: {e!r}"
+            except OSError as e:  # still walk the plan, refusing what comes (limit 0): the holders send regardless
+                why, limit = f"marking step {step}'s folder: {e!r}", 0
         for holder, receiver, old in order:
             if me == holder:
                 self._send_part(wire, step, old, receiver, limit, data)

@@ -35,7 +35,7 @@ from titan_ckpt_plus.staging import copy_into
 from titan_ckpt_plus.telemetry import EventLog, peak_rss_since_last
 from titan_ckpt_plus.tiers.files import atomic_write_json
 from titan_ckpt_plus.tiers.local import JobLock, claim_job_dir, job_dir, node_jobs
-from titan_ckpt_plus.tiers.pfs import PfsTier, describe
+from titan_ckpt_plus.tiers.pfs import PfsTier, agree, describe
 
 _StockManager = tt_checkpoint.CheckpointManager
 
@@ -505,10 +505,7 @@ class TieredCheckpointManager(_StockManager):
             return super().load(step)  # nothing of ours: initial_load_path / HF as stock
         refuse_a_partial_state(rec)
         model_only = rec.step == 0  # a seed checkpoint: from the PFS alone, as stock loads it
-        if rec.tier == "pfs":
-            rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, self._states_to_load(model_only))
-        elif not rec.resharded_from:  # a local step of another layout: loaded by recover()
-            self._load_local(rec.state)
+        self._load_chosen(rec, model_only)
         pfs_total = torch.tensor([rec.bytes_read["pfs"]], dtype=torch.int64)
         dist.all_reduce(pfs_total, group=self.tiered.commit_pg)
         total = dict(rec.bytes_total, pfs=int(pfs_total.item()))
@@ -538,6 +535,25 @@ class TieredCheckpointManager(_StockManager):
                            parts_lacking=rec.parts_lacking,
                            skipped=[list(x) for x in rec.skipped])
         return True
+
+    def _load_chosen(self, rec, model_only: bool) -> None:
+        """The step recover() chose, into the job's state. Collective: where the job's
+        state refuses it on some ranks only (one pipeline stage's optimizer or
+        dataloader), every rank raises, so none waits alone in the next collective."""
+        why, err = "", None
+        try:
+            if rec.tier == "pfs":
+                rec.bytes_read["pfs"] += self.tiered.pfs.load(rec.step, self._states_to_load(model_only))
+            elif not rec.resharded_from:  # a local step of another layout: loaded by recover()
+                self._load_local(rec.state)
+        except Exception as e:
+            why, err = repr(e), e
+        why = agree(why, self.tiered.commit_pg)
+        if err is not None:
+            raise err
+        if why:
+            raise RuntimeError(f"[titan_ckpt_plus] loading {rec.tier} step {rec.step} failed on other ranks "
+                               f"({why}); this rank stops with them")
 
     def _release_job_lock(self) -> None:
         lock, self._job_lock = getattr(self, "_job_lock", None), None
