@@ -7,6 +7,7 @@ import pickle
 import shutil
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -162,3 +163,25 @@ def test_a_load_the_jobs_state_refuses_on_one_rank_stops_every_rank(tmp_path):
     got = _restart(tmp_path, "", target=_load_rank)
     assert got[1] == repr(ValueError("checkpoint lacks ['optimizer']"))
     assert got[0].startswith("RuntimeError(") and "failed on other ranks" in got[0] and "rank 1: ValueError" in got[0]
+
+
+def test_a_pfs_folder_no_rank_can_list_stops_the_restart_when_no_local_step_loads(tmp_path):
+    """Every rank's listing fails (EIO, EACCES): the PFS steps are unknown, so the
+    restart must not go on as a first start (that would train over them later)."""
+    from titan_ckpt_plus.checkpointer import TieredCheckpointer, TierSettings
+    from titan_ckpt_plus.telemetry import EventLog
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    s = TierSettings(local_root=str(tmp_path / "node"), pfs_folder=str(tmp_path / "pfs"), local_interval=1,
+                     pfs_interval=1, local_keep=2, pfs_keep=2, rank=0, world_size=1, first_on_node=True,
+                     job_id="J")
+    ckpt = TieredCheckpointer(s, lambda: {}, EventLog(None))
+    try:
+        def unreadable():
+            raise PermissionError(13, "Permission denied")
+        ckpt.pfs.steps = unreadable
+        with pytest.raises(RuntimeError, match=r"no rank could list the PFS folder .*PermissionError.*Fix: make"):
+            ckpt.recover()
+    finally:
+        ckpt.close()
+        dist.destroy_process_group()

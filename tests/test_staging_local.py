@@ -765,7 +765,8 @@ def _one_rank_engine(tmp_path, state):
 
 def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_path):
     """The exchange itself fails (a peer gone, the group's timeout): the save is counted
-    failed and not committed, the writer thread lives on, and the next save commits."""
+    failed (a replica and the save it leaves uncommitted) and not committed, the writer
+    thread lives on, and the next save commits."""
     from types import SimpleNamespace
 
     def inject(ckpt):
@@ -775,7 +776,7 @@ def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_pa
         ckpt.placement = SimpleNamespace(peers=lambda r: [0], sources=lambda r: [0])
         ckpt.wire = SimpleNamespace(exchange=broken)
     ended, stats, committed = _after_one_failure(tmp_path, inject)
-    assert ended and (stats.failed_replicas, stats.saves, committed) == (1, 1, [2])
+    assert ended and (stats.failed_replicas, stats.failed_saves, stats.saves, committed) == (1, 1, 1, [2])
 
 
 def test_a_failed_staging_copy_fails_its_save_alone_and_each_part_names_its_own_layout(tmp_path, monkeypatch):
@@ -862,7 +863,7 @@ def test_a_device_error_at_the_save_point_fails_that_save_and_not_the_writer(tmp
     assert ended and (stats.failed_saves, committed) == (1, [2])
 
 
-def test_a_commit_marker_that_fails_with_any_error_fails_that_save_and_not_the_writer(tmp_path):
+def test_a_commit_marker_that_fails_with_any_error_fails_that_save_and_not_the_writer(tmp_path, caplog):
     """The marker's write raises something other than an OSError (the byte helper's
     reply, a CorruptCheckpoint): that save is counted failed, the writer thread lives
     on, and the next save commits."""
@@ -873,14 +874,24 @@ def test_a_commit_marker_that_fails_with_any_error_fails_that_save_and_not_the_w
                                   CorruptCheckpoint("the helper's reply: bad frame"))
     ended, stats, committed = _after_one_failure(tmp_path, inject)
     assert ended and (stats.failed_saves, committed) == (1, [2])
+    assert "save of step 1 failed (commit marker: CorruptCheckpoint" in caplog.text  # not the writer's catch-all
 
 
-def test_an_unexpected_error_in_the_writer_is_counted_and_the_thread_lives_on(tmp_path):
-    """Any exception out of a save's write (here the event log's record after the
-    commit) is a failed save, logged and counted: the writer thread goes on, so the
-    next save and close() do not wait for it for ever."""
+def test_an_unexpected_error_before_the_vote_is_counted_and_the_save_still_votes(tmp_path):
+    """Any exception out of a save's write before its commit vote (here its replication):
+    a failed save, logged and counted, whose vote is still cast (as not written), so the
+    next save's vote pairs with its peers' next one; the writer thread goes on, and the
+    next save commits."""
+    from types import SimpleNamespace
+
+    voted = []
+
     def inject(ckpt):
-        ckpt.events.record = _once(ckpt.events.record, lambda kind, **f: kind == "local_commit" and f["step"] == 1,
-                                   TypeError("an event field that does not serialize"))
+        vote = ckpt.votes.vote
+        ckpt.votes.vote = lambda flags, step, *rest: voted.append((step, list(flags))) or vote(flags, step, *rest)
+        ckpt.placement = SimpleNamespace(peers=lambda r: [], sources=lambda r: [])
+        ckpt._replicate = _once(lambda job, own: True, lambda job, own: job.step == 1,
+                                RuntimeError("an error no handler expected"))
     ended, stats, committed = _after_one_failure(tmp_path, inject)
-    assert ended and (stats.failed_saves, committed) == (1, [1, 2])
+    assert ended and (stats.failed_saves, committed) == (1, [2])
+    assert voted == [(1, [False, False]), (2, [True, True])]

@@ -132,6 +132,7 @@ class _Job:
     helper: ByteHelper | None = None  # moves the bytes, if the job has one (helper_process)
     generation: int = 0  # the staging buffer's (HostBuffer.generation) the job staged into
     hold_drain: bool = False  # its drain waits for the next step boundary (_hold_drain)
+    voted: bool = False  # its commit vote was cast (_vote_failed)
 
 
 class TieredCheckpointer:
@@ -565,7 +566,10 @@ class TieredCheckpointer:
         self.flush()
         job = self._last_committed_job
         estimate = self.drain.last_seconds or 2 * self._last_local_write
-        on_pfs = self.pfs.steps()
+        try:
+            on_pfs = self.pfs.steps()
+        except OSError:  # the all-reduce below must come; another rank's view counts
+            on_pfs = []
         # the newest PFS step any rank sees: a rank whose file system client has not seen
         # the last seal yet must not enter a drain its peers skip
         t = torch.tensor([estimate, time.monotonic() - deadline, on_pfs[-1] if on_pfs else -1],
@@ -638,12 +642,27 @@ class TieredCheckpointer:
                 self._write(job)
             except Exception as e:  # the thread must go on: the next save waits for it
                 self.record_failure("local", job.step, f"the writer: {e!r}")
-                if job.loan is None or job.loan.reclaimable:
+                if not job.voted:
+                    self._vote_failed(job)
+                elif job.loan is None or job.loan.reclaimable:
                     self._buffer_free.set()
             finally:
                 self.background.end(("write", job.step))
                 self._write_q.task_done()
         self._write_q.task_done()
+
+    def _vote_failed(self, job: _Job) -> None:
+        """A save whose write raised before its vote: every rank votes on every save (or
+        its next vote would pair with its peers' vote on this one), so it votes this one
+        not written: no rank commits or drains it. What it held is freed."""
+        job.ok, job.voted = False, True
+        try:
+            self.votes.vote([False, False], job.step, None, (set(self.drain.steps), []))
+        except Exception as e:
+            log.warning(f"[titan_ckpt_plus] the vote on failed step {job.step}: {e!r}")
+        job.staged.wait()  # the copy ends whatever happened (_copy), before the buffer is free
+        self._drained(job)
+        self._buffer_free.set()
 
     def _write(self, job: _Job) -> None:
         """The local write follows the staging copy chunk by chunk, so a step is
@@ -700,6 +719,7 @@ class TieredCheckpointer:
         held = self.placement.sources(self.s.rank) if self.placement else []
         keep = (set(self.drain.steps) | ({job.step} if job.pfs_due else set()), held)
         try:  # with the hub, the helper also writes the marker and runs retention (done: not None)
+            job.voted = True
             (committed, drainable), done = self.votes.vote(
                 [job.ok, own is not None or job.loan is not None], job.step, marker, keep)
         except Exception as e:  # the hub could not decide (on every rank), or the group broke: none commits
@@ -708,8 +728,9 @@ class TieredCheckpointer:
             job.undecided = True  # a peer may have died mid-save: its files stay for recovery to judge
         clock.mark("vote")
         if not committed:
-            if job.ok:
-                self.record_failure("local", job.step, "another rank's part failed")
+            if own is not None and not job.undecided:  # its write was fine: counted here, not yet
+                self.record_failure("local", job.step, "another rank's part failed" if job.ok
+                                    else "its replicas did not all arrive (above)")
             if job.pfs_due and drainable:
                 # at once, on every rank alike: a rank whose write failed holds its staged
                 # bytes (the buffer) until this drain is done, and its next save waits for it
@@ -732,15 +753,19 @@ class TieredCheckpointer:
             self.stats.last_committed = job.step
             commit_s = time.monotonic() - job.started
             self._last_local_write = time.monotonic() - t0
-            self._info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
-                       f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
-            self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
-                               staging_s=job.staging_s, background_write_s=write_s,
-                               time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
-                               staging_cpu_s=job.staging_cpu_s, phases=clock.phases,
-                               by_helper=helper is not None, agreed_by=self.votes.kind)
-        if job.pfs_due:
-            self._drain(job)
+            try:  # a record that fails is a line in the log, not a failed save
+                self._info(f"[titan_ckpt_plus] local step {job.step} committed: {nbytes / 2**20:.1f} MiB, "
+                           f"staging {job.staging_s:.3f}s, write {write_s:.3f}s, durable after {commit_s:.3f}s")
+                self.events.record("local_commit", step=job.step, tier="local", bytes=nbytes,
+                                   staging_s=job.staging_s, background_write_s=write_s,
+                                   time_to_commit_s=commit_s, cpu_s=time.thread_time() - cpu0,
+                                   staging_cpu_s=job.staging_cpu_s, phases=clock.phases,
+                                   by_helper=helper is not None, agreed_by=self.votes.kind)
+            except Exception as e:
+                log.warning(f"[titan_ckpt_plus] could not record local step {job.step}'s commit: {e!r}")
+        finally:  # every rank hands a voted PFS step over, whatever befell its marker: drains pair up
+            if job.pfs_due:
+                self._drain(job)
         if done is None:
             try:
                 self._on_local(helper, job.step, "retain", *keep)

@@ -111,6 +111,12 @@ class Restorer:
                     rec.tier, rec.step = tier, step
                     break
             rec.skipped.append(("pfs" if tier == "pfs" else "local", step, why))
+        unlisted = [why for _, why in (g[4] for g in gathered)]
+        if rec.tier is None and all(unlisted):  # the same on every rank: all raise alike
+            raise RuntimeError(f"[titan_ckpt_plus] no rank could list the PFS folder {self.pfs.folder} "
+                               f"(rank 0: {unlisted[0]}), and no local step loads: its steps are unknown, "
+                               "so starting over could lose them. Fix: make the folder readable on every "
+                               "node, and restart.")
         totals = torch.tensor([rec.bytes_read[k] for k in ("local", "peer")], dtype=torch.int64)
         dist.all_reduce(totals, group=self.pg)
         rec.bytes_total = {"local": int(totals[0]), "peer": int(totals[1])}
