@@ -841,6 +841,12 @@ def _after_one_failure(tmp_path, inject) -> tuple:
         dist.destroy_process_group()
 
 
+def _first_call():
+    """A predicate true on its first call only."""
+    seen = []
+    return lambda *_a, **_k: not seen and not seen.append(1)
+
+
 def _once(real, fail, exc: Exception):
     """`real`, raising `exc` instead where `fail(*args, **kwargs)`."""
     def call(*args, **kwargs):
@@ -854,10 +860,8 @@ def test_a_device_error_at_the_save_point_fails_that_save_and_not_the_writer(tmp
     """The save point (a CUDA event on GPUs) raises, a device error: that save is counted
     failed before its job reaches the writer, which would otherwise wait for ever for a
     copy that never comes (and close() with it); the next save commits."""
-    calls = []
-
     def inject(ckpt):
-        ckpt.device.save_point = _once(ckpt.device.save_point, lambda: not calls.append(1) and len(calls) == 1,
+        ckpt.device.save_point = _once(ckpt.device.save_point, _first_call(),
                                        RuntimeError("CUDA error: an illegal memory access was encountered"))
     ended, stats, committed = _after_one_failure(tmp_path, inject)
     assert ended and (stats.failed_saves, committed) == (1, [2])
@@ -895,3 +899,42 @@ def test_an_unexpected_error_before_the_vote_is_counted_and_the_save_still_votes
     ended, stats, committed = _after_one_failure(tmp_path, inject)
     assert ended and (stats.failed_saves, committed) == (1, [2])
     assert voted == [(1, [False, False]), (2, [True, True])]
+
+
+def test_a_save_that_failed_at_staging_never_frees_the_buffer_a_later_save_holds(tmp_path):
+    """Save 1 fails at staging (it never takes the buffer); save 2 takes it; the writer
+    gets to save 1 only then. Freeing the buffer for save 1 would let save 3 copy over
+    save 2's bytes before they are written: it stays held until save 2's write."""
+    import threading
+
+    import torch.distributed as dist
+
+    ckpt = _one_rank_engine(tmp_path, {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}})
+    ckpt.device.save_point = _once(ckpt.device.save_point, _first_call(),
+                                   RuntimeError("CUDA error: an illegal memory access was encountered"))
+    gates, reached_2 = {1: threading.Event(), 2: threading.Event()}, threading.Event()
+    write = ckpt._write
+
+    def gated(job):
+        if job.step == 2:
+            reached_2.set()
+        gates[job.step].wait(30)
+        write(job)
+    ckpt._write = gated
+    try:
+        ckpt.save(1)  # its job waits at the writer's gate
+        ckpt.save(2)
+        ckpt.wait_for_staging()
+        assert not ckpt._buffer_free.is_set()  # save 2 holds it
+        gates[1].set()
+        assert reached_2.wait(30)  # the writer is done with save 1
+        assert not ckpt._buffer_free.is_set(), "save 1's failed job freed the buffer save 2 holds"
+        gates[2].set()
+        ckpt.flush()
+        assert ckpt._buffer_free.is_set() and ckpt.local.committed_steps() == [2]
+        assert ckpt.stats.failed_saves == 1
+    finally:
+        for gate in gates.values():
+            gate.set()
+        ckpt.close()
+        dist.destroy_process_group()

@@ -133,6 +133,7 @@ class _Job:
     generation: int = 0  # the staging buffer's (HostBuffer.generation) the job staged into
     hold_drain: bool = False  # its drain waits for the next step boundary (_hold_drain)
     voted: bool = False  # its commit vote was cast (_vote_failed)
+    holds_buffer: bool = False  # it took the staging buffer in save() (_release_buffer)
 
 
 class TieredCheckpointer:
@@ -398,6 +399,7 @@ class TieredCheckpointer:
             self.record_failure("local", step, f"staging: {e!r}")
         if tensors is not None:
             self._buffer_free.clear()
+            job.holds_buffer = True
         self._write_q.put(job)  # before the copy starts: the writer wakes meanwhile
         if tensors is None:
             job.staged.set()  # the failed job still goes to the writer: it must vote
@@ -645,7 +647,7 @@ class TieredCheckpointer:
                 if not job.voted:
                     self._vote_failed(job)
                 elif job.loan is None or job.loan.reclaimable:
-                    self._buffer_free.set()
+                    self._release_buffer(job)
             finally:
                 self.background.end(("write", job.step))
                 self._write_q.task_done()
@@ -662,7 +664,15 @@ class TieredCheckpointer:
             log.warning(f"[titan_ckpt_plus] the vote on failed step {job.step}: {e!r}")
         job.staged.wait()  # the copy ends whatever happened (_copy), before the buffer is free
         self._drained(job)
-        self._buffer_free.set()
+        self._release_buffer(job)
+
+    def _release_buffer(self, job: _Job) -> None:
+        """The next save may copy into the staging buffer: only where this job took it in
+        save(). A save that failed at staging never did, and by the time the writer gets
+        to it a later save may hold the buffer."""
+        if job.holds_buffer:
+            job.holds_buffer = False
+            self._buffer_free.set()
 
     def _write(self, job: _Job) -> None:
         """The local write follows the staging copy chunk by chunk, so a step is
@@ -711,7 +721,7 @@ class TieredCheckpointer:
             if job.loan.reclaimable:
                 self._loans.append(job.loan)
         if job.loan is None or job.loan.reclaimable:
-            self._buffer_free.set()
+            self._release_buffer(job)
         # Every rank reaches this vote, failed or not, so the groups stay in step. The
         # marker is the node's first rank's: no request from the others.
         marker = ({"world_size": self.s.world_size, "layout_tag": self.s.layout_tag,
@@ -881,7 +891,7 @@ class TieredCheckpointer:
         if job.loan is not None:
             job.loan.returned = True  # the next save may copy in save() again
             if not job.loan.reclaimable:
-                self._buffer_free.set()
+                self._release_buffer(job)
         job.loan = None
         if not job.committed and not job.undecided:
             self._discard(job.step)
