@@ -644,10 +644,8 @@ class TieredCheckpointer:
                 self._write(job)
             except Exception as e:  # the thread must go on: the next save waits for it
                 self.record_failure("local", job.step, f"the writer: {e!r}")
-                if not job.voted:
+                if not job.voted:  # after its vote the buffer went as voted (_release_buffer, _drained)
                     self._vote_failed(job)
-                elif job.loan is None or job.loan.reclaimable:
-                    self._release_buffer(job)
             finally:
                 self.background.end(("write", job.step))
                 self._write_q.task_done()
@@ -657,7 +655,6 @@ class TieredCheckpointer:
         """A save whose write raised before its vote: every rank votes on every save (or
         its next vote would pair with its peers' vote on this one), so it votes this one
         not written: no rank commits or drains it. What it held is freed."""
-        job.ok, job.voted = False, True
         try:
             self.votes.vote([False, False], job.step, None, (set(self.drain.steps), []))
         except Exception as e:
