@@ -938,3 +938,28 @@ def test_a_save_that_failed_at_staging_never_frees_the_buffer_a_later_save_holds
             gate.set()
         ckpt.close()
         dist.destroy_process_group()
+
+
+
+def test_close_joins_every_thread_it_started_gloo_groups_included(tmp_path):
+    """A gloo thread left alive frees a finished collective's tensors whenever it next
+    runs; in SCHED_IDLE that could be as the process exits, and the rank then aborted
+    (SIGABRT, "terminate called without an active exception") after a clean run.
+    close() leaves no thread of its own behind, its groups' gloo threads included."""
+    import torch.distributed as dist
+
+    def threads() -> set:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+
+    ckpt = _one_rank_engine(tmp_path, {"model": {"w": torch.randn(1000)}, "train_state": {"step": 1}})
+    try:
+        ckpt.save(1)
+        ckpt.flush()
+        ckpt.preemption_agreed(False)  # an all-reduce left in flight, as in training
+        ours = set(ckpt._group_tids)
+        assert ours and ours <= threads()  # the idle groups' threads run
+        ckpt.close()
+        left = threads()
+        assert not ours & left, f"gloo threads left after close(): {sorted(ours & left)}"
+    finally:
+        dist.destroy_process_group()

@@ -169,6 +169,8 @@ class TieredCheckpointer:
         # Dedicated groups: their collectives run on background threads and must never
         # interleave with each other or with the training group's.
         self.background = priority.IdleWhileOnTime(s.background_idle)
+        self._groups: list = []  # every group made here: close() ends them
+        self._group_tids: list[int] = []  # their gloo threads adopted by self.background
         if self.helper is not None:  # its checksum thread yields as the copy thread does
             self.background.adopt(self.helper.idle_tids)
         self.commit_pg = self._background_group()
@@ -197,6 +199,7 @@ class TieredCheckpointer:
         # The training thread's own group (interval decisions, preemption agreement):
         # only that thread issues on it, so the order is the same on every rank.
         self.main_pg = dist.new_group(backend="gloo")
+        self._groups.append(self.main_pg)
         self._preempt_flag: torch.Tensor | None = None
         self._preempt_work = None
         self._last_committed_job: _Job | None = None
@@ -205,6 +208,7 @@ class TieredCheckpointer:
         self._step_time = 0.0
         self._last_local_write = 0.0
         self.placement = placement if placement and placement.factor > 0 else None
+        self.wire: Wire | None = None
         if self.placement is not None:
             nccl = s.replication_backend == "nccl"
             self.wire = Wire(self._background_group(s.replication_backend),
@@ -313,8 +317,10 @@ class TieredCheckpointer:
         with `idle`, its gloo threads, which move a collective's bytes and wake for its
         messages, yield to training as the copy thread does. NCCL's run on the GPU."""
         pg, tids = priority.threads_started_by(lambda: dist.new_group(backend=backend))
+        self._groups.append(pg)
         if backend == "gloo" and idle:
             self.background.adopt(tids)
+            self._group_tids += tids
         return pg
 
     def _background(self, target, name: str, idle: bool = True):
@@ -619,6 +625,26 @@ class TieredCheckpointer:
         self.buffer.release()
         if self._ended:
             self.pfs.release_spares()
+        self._end_groups()
+
+    def _end_groups(self) -> None:
+        """Join the groups' gloo threads now, while the interpreter lives. A gloo thread
+        frees a finished collective's tensors after the caller has moved on; one left
+        in SCHED_IDLE could do it as the process exited, take the GIL from a finalizing
+        interpreter and abort the rank after a clean run (SIGABRT, "terminate called
+        without an active exception"). A group's threads end with its last reference,
+        so each holder drops its own."""
+        groups, self._groups = self._groups, []
+        self.commit_pg = self.main_pg = self._preempt_work = None
+        self.votes.pg = self.drain.votes.pg = None
+        if self.wire is not None:
+            self.wire.pg = None
+        for pg in groups:
+            try:
+                dist.destroy_process_group(pg)
+            except (ValueError, RuntimeError, AssertionError):
+                pass  # already gone with the default group: dropping it is enough
+        self.background.forget(self._group_tids)
 
     def recover(self, load_resharded: Callable[[Any], int] | None = None, only_step: int = -1) -> Recovery:
         """Collective: the newest checkpoint every rank can load, found, fetched and
