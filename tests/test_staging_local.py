@@ -774,7 +774,7 @@ def test_a_replica_exchange_that_fails_fails_that_save_and_not_the_writer(tmp_pa
             ckpt.placement = None  # step 2 replicates nothing
             raise RuntimeError("[gloo] Connection closed by peer")
         ckpt.placement = SimpleNamespace(peers=lambda r: [0], sources=lambda r: [0])
-        ckpt.wire = SimpleNamespace(exchange=broken)
+        ckpt.wire = SimpleNamespace(exchange=broken, pg=None)
     ended, stats, committed = _after_one_failure(tmp_path, inject)
     assert ended and (stats.failed_replicas, stats.failed_saves, stats.saves, committed) == (1, 1, 1, [2])
 
@@ -901,6 +901,22 @@ def test_an_unexpected_error_before_the_vote_is_counted_and_the_save_still_votes
     assert voted == [(1, [False, False]), (2, [True, True])]
 
 
+def test_a_save_that_fails_twice_over_is_counted_once(tmp_path, caplog):
+    """Its write fails, then an unexpected error follows in the same save (its
+    replication): one failed save, not two, and both causes are in the log."""
+    from types import SimpleNamespace
+
+    def inject(ckpt):
+        ckpt.local.write_part = _once(ckpt.local.write_part, lambda step, *_a, **_k: step == 1,
+                                      OSError(5, "Input/output error"))
+        ckpt.placement = SimpleNamespace(peers=lambda r: [], sources=lambda r: [])
+        ckpt._replicate = _once(lambda job, own: True, lambda job, own: job.step == 1,
+                                RuntimeError("an error no handler expected"))
+    ended, stats, committed = _after_one_failure(tmp_path, inject)
+    assert ended and (stats.failed_saves, committed) == (1, [2])
+    assert "Input/output error" in caplog.text and "step 1 also failed: the writer: RuntimeError" in caplog.text
+
+
 def test_a_save_that_failed_at_staging_never_frees_the_buffer_a_later_save_holds(tmp_path):
     """Save 1 fails at staging (it never takes the buffer); save 2 takes it; the writer
     gets to save 1 only then. Freeing the buffer for save 1 would let save 3 copy over
@@ -940,13 +956,16 @@ def test_a_save_that_failed_at_staging_never_frees_the_buffer_a_later_save_holds
         dist.destroy_process_group()
 
 
-
 def test_close_joins_every_thread_it_started_gloo_groups_included(tmp_path):
     """A gloo thread left alive frees a finished collective's tensors whenever it next
     runs; in SCHED_IDLE that could be as the process exits, and the rank then aborted
     (SIGABRT, "terminate called without an active exception") after a clean run.
-    close() leaves no thread of its own behind, its groups' gloo threads included."""
+    close() leaves no thread of its groups behind, and no group usable after it."""
+    import time
+
     import torch.distributed as dist
+
+    from titan_ckpt_plus.tiers.pfs import gather
 
     def threads() -> set:
         return {int(t) for t in os.listdir("/proc/self/task")}
@@ -956,10 +975,15 @@ def test_close_joins_every_thread_it_started_gloo_groups_included(tmp_path):
         ckpt.save(1)
         ckpt.flush()
         ckpt.preemption_agreed(False)  # an all-reduce left in flight, as in training
+        gather("x" * 10000, ckpt.drain.votes.pg)  # its frame grows: gather() keeps one a group
         ours = set(ckpt._group_tids)
-        assert ours and ours <= threads()  # the idle groups' threads run
+        assert len(ours) >= 9 and ours <= threads()  # three groups' (a TCP loop and two workers each)
         ckpt.close()
-        left = threads()
-        assert not ours & left, f"gloo threads left after close(): {sorted(ours & left)}"
+        deadline = time.monotonic() + 5
+        while ours & threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not ours & threads(), f"gloo threads left after close(): {sorted(ours & threads())}"
+        with pytest.raises(AttributeError):
+            ckpt.promote_newest(time.monotonic() + 60)  # not on the default group instead
     finally:
         dist.destroy_process_group()

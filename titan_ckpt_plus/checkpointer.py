@@ -43,7 +43,7 @@ from titan_ckpt_plus.tiers.byte_helper import ByteHelper, by_helper
 from titan_ckpt_plus.tiers.files import CorruptCheckpoint
 from titan_ckpt_plus.tiers.local import LocalTier
 from titan_ckpt_plus.tiers.hub import HubInfo, HubMember, HubProcess
-from titan_ckpt_plus.tiers.pfs import PfsTier, agree
+from titan_ckpt_plus.tiers.pfs import PfsTier, agree, forget_groups
 from titan_ckpt_plus.votes import GlooVotes, HubVotes
 
 log = __import__("logging").getLogger("titan_ckpt_plus")
@@ -134,6 +134,7 @@ class _Job:
     hold_drain: bool = False  # its drain waits for the next step boundary (_hold_drain)
     voted: bool = False  # its commit vote was cast (_vote_failed)
     holds_buffer: bool = False  # it took the staging buffer in save() (_release_buffer)
+    counted_failed: bool = False  # in stats.failed_saves already (_save_failed)
 
 
 class TieredCheckpointer:
@@ -170,7 +171,8 @@ class TieredCheckpointer:
         # interleave with each other or with the training group's.
         self.background = priority.IdleWhileOnTime(s.background_idle)
         self._groups: list = []  # every group made here: close() ends them
-        self._group_tids: list[int] = []  # their gloo threads adopted by self.background
+        self._fail_lock = threading.Lock()  # _save_failed's
+        self._group_tids: list[int] = []  # their gloo threads
         if self.helper is not None:  # its checksum thread yields as the copy thread does
             self.background.adopt(self.helper.idle_tids)
         self.commit_pg = self._background_group()
@@ -198,8 +200,7 @@ class TieredCheckpointer:
         self.policy = policy  # adaptive: sets the intervals; else only compared with them
         # The training thread's own group (interval decisions, preemption agreement):
         # only that thread issues on it, so the order is the same on every rank.
-        self.main_pg = dist.new_group(backend="gloo")
-        self._groups.append(self.main_pg)
+        self.main_pg = self._new_group("gloo")[0]
         self._preempt_flag: torch.Tensor | None = None
         self._preempt_work = None
         self._last_committed_job: _Job | None = None
@@ -316,12 +317,17 @@ class TieredCheckpointer:
         """A process group for background work only (the vote, the drain, replication):
         with `idle`, its gloo threads, which move a collective's bytes and wake for its
         messages, yield to training as the copy thread does. NCCL's run on the GPU."""
-        pg, tids = priority.threads_started_by(lambda: dist.new_group(backend=backend))
-        self._groups.append(pg)
+        pg, tids = self._new_group(backend)
         if backend == "gloo" and idle:
             self.background.adopt(tids)
-            self._group_tids += tids
         return pg
+
+    def _new_group(self, backend: str) -> tuple:
+        """(a new process group, its threads): close() ends both."""
+        pg, tids = priority.threads_started_by(lambda: dist.new_group(backend=backend))
+        self._groups.append(pg)
+        self._group_tids += tids
+        return pg, tids
 
     def _background(self, target, name: str, idle: bool = True):
         """A thread on the rank's device, below training's CPU and I/O priority; with
@@ -401,8 +407,8 @@ class TieredCheckpointer:
             copy = self.device.save_point()
         except Exception as e:  # a state we cannot stage is a failed save, not a crash
             tensors = None
+            self._save_failed(job, f"staging: {e!r}")
             job.progress.fail()
-            self.record_failure("local", step, f"staging: {e!r}")
         if tensors is not None:
             self._buffer_free.clear()
             job.holds_buffer = True
@@ -485,8 +491,8 @@ class TieredCheckpointer:
             self.buffer.copy_in(job.layout, tensors, job.progress, copy, clear)
             job.copied = True
         except Exception as e:
+            self._save_failed(job, f"staging copy: {e!r}")  # the cause, before the writer's
             job.progress.fail()
-            self.record_failure("local", job.step, f"staging copy: {e!r}")
         finally:
             copy.issued.set()  # a copy that failed before it began must not hang the wait
             job.staging_s = time.monotonic() - job.started
@@ -635,15 +641,22 @@ class TieredCheckpointer:
         without an active exception"). A group's threads end with its last reference,
         so each holder drops its own."""
         groups, self._groups = self._groups, []
-        self.commit_pg = self.main_pg = self._preempt_work = None
-        self.votes.pg = self.drain.votes.pg = None
-        if self.wire is not None:
-            self.wire.pg = None
+        if not groups:
+            return  # closed before
+        # deleted, not None: a collective after close() raises, not runs on the default group
+        del self.commit_pg, self.main_pg
+        self._preempt_work = None
+        for holder in (self.votes, self.drain.votes, self.wire):
+            if holder is not None:
+                del holder.pg
+        forget_groups(groups)
         for pg in groups:
             try:
                 dist.destroy_process_group(pg)
-            except (ValueError, RuntimeError, AssertionError):
-                pass  # already gone with the default group: dropping it is enough
+            except ValueError:
+                pass  # gone with the default group already: dropping it is enough
+            except Exception as e:
+                log.warning(f"[titan_ckpt_plus] ending a process group at close(): {e!r}")
         self.background.forget(self._group_tids)
 
     def recover(self, load_resharded: Callable[[Any], int] | None = None, only_step: int = -1) -> Recovery:
@@ -664,12 +677,22 @@ class TieredCheckpointer:
                   "training continues, older checkpoints are kept")
         self.events.record("save_failed", step=step, tier=tier, error=why)
 
+    def _save_failed(self, job: _Job, why: str) -> None:
+        """A save counts once in failed_saves, however many of its stages fail (a copy,
+        then the write it left without bytes, then an unexpected error); each is logged."""
+        with self._fail_lock:  # the copy thread and the writer
+            first, job.counted_failed = not job.counted_failed, True
+        if first:
+            self.record_failure("local", job.step, why)
+        else:
+            log.error(f"[titan_ckpt_plus] local save of step {job.step} also failed: {why}")
+
     def _writer_loop(self) -> None:
         while (job := self._write_q.get()) is not None:
             try:
                 self._write(job)
             except Exception as e:  # the thread must go on: the next save waits for it
-                self.record_failure("local", job.step, f"the writer: {e!r}")
+                self._save_failed(job, f"the writer: {e!r}")
                 if not job.voted:  # after its vote the buffer went as voted (_release_buffer, _drained)
                     self._vote_failed(job)
             finally:
@@ -718,11 +741,10 @@ class TieredCheckpointer:
                 job.manifest = manifest
                 nbytes = own.nbytes()
             except Exception as e:
-                if not job.progress.failed:  # a failed copy was counted by _copy
-                    why = repr(e)
-                    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                        why += f"; local disk full: {self.local.disk_full_note()}"
-                    self.record_failure("local", job.step, why)
+                why = repr(e)
+                if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                    why += f"; local disk full: {self.local.disk_full_note()}"
+                self._save_failed(job, why)
                 own = None
         clock.mark("write")
         job.staged.wait()
@@ -756,14 +778,14 @@ class TieredCheckpointer:
             (committed, drainable), done = self.votes.vote(
                 [job.ok, own is not None or job.loan is not None], job.step, marker, keep)
         except Exception as e:  # the hub could not decide (on every rank), or the group broke: none commits
-            self.record_failure("local", job.step, f"the commit vote: {e}")
+            self._save_failed(job, f"the commit vote: {e}")
             job.ok = committed = drainable = False
             job.undecided = True  # a peer may have died mid-save: its files stay for recovery to judge
         clock.mark("vote")
         if not committed:
             if own is not None and not job.undecided:  # its write was fine: counted here, not yet
-                self.record_failure("local", job.step, "another rank's part failed" if job.ok
-                                    else "its replicas did not all arrive (above)")
+                self._save_failed(job, "another rank's part failed" if job.ok
+                                  else "its replicas did not all arrive (above)")
             if job.pfs_due and drainable:
                 # at once, on every rank alike: a rank whose write failed holds its staged
                 # bytes (the buffer) until this drain is done, and its next save waits for it
@@ -779,7 +801,7 @@ class TieredCheckpointer:
             if done is None and marker is not None:
                 self._on_local(helper, job.step, "commit", marker)
         except Exception as e:  # not a recovery candidate on this node; the drain goes on as voted
-            self.record_failure("local", job.step, f"commit marker: {e!r}")
+            self._save_failed(job, f"commit marker: {e!r}")
         else:
             clock.mark("commit")
             self.stats.saves += 1

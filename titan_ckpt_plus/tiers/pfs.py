@@ -339,6 +339,13 @@ def gather(obj, pg) -> list:
     return [pickle.loads(f[4 : 4 + k].tobytes()) for f, k in zip(got, lengths)]
 
 
+def forget_groups(groups) -> None:
+    """The groups are ended: gather() holds no reference that would keep them (and
+    their gloo threads) alive."""
+    for pg in groups:
+        _frames.pop(pg, None)
+
+
 def agree(why: str, pg) -> str:
     """Collective: "" if every rank's check passed, else every failing rank's reason
     (so the log on rank 0 names the file that failed on rank 5)."""
