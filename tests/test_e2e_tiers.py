@@ -4,6 +4,7 @@ One uninterrupted reference run; every other run is compared with it bit for bit
 """
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -308,8 +309,10 @@ def test_with_helper_processes_a_kill_in_a_helpers_write_resumes_bit_exact(refer
     A kill injected in rank 1's helper while it writes step 8 kills rank 1 (the fault
     keeps its meaning); no helper or hub outlives its rank; the restart, helpers on,
     resumes bit for bit from step 6 and drains on."""
-    _killed(torchrun(tmp_path, "--checkpoint.helper_process", fault="kill_during_local_write@8:1",
-                     loss_log="run1.jsonl"))
+    run1 = _killed(torchrun(tmp_path, "--checkpoint.helper_process", fault="kill_during_local_write@8:1",
+                            loss_log="run1.jsonl"))
+    # rank 0 waited in close() for rank 1's vote: torchrun's SIGTERM ended it, not its SIGKILL 30 s on
+    assert len(re.findall(r"exitcode +: -9 ", run1.stdout)) == 1, output(run1)
     commits = ckpt_events(tmp_path, "local_commit")
     assert [e["step"] for e in commits] == [2, 4, 6] and all(e["by_helper"] for e in commits)
     assert all(e["agreed_by"] == "hub" for e in commits)

@@ -204,3 +204,37 @@ def test_inspect_lists_exports_and_full_state_and_verifies_an_hf_export(tmp_path
     (pfs / "step-4" / "model-00001-of-00001.safetensors").write_bytes(b"weightz")
     checks, _ = inspect.verify_path(str(tmp_path / "dump"))
     assert any(c.status == "FAILED" and c.path.endswith(".safetensors") for c in checks)
+
+
+_FAILED_RUN = """
+import os, signal, sys, time, types
+from titan_ckpt_plus.adapters.torchtitan_v022 import TieredCheckpointManager
+m = types.SimpleNamespace(_sigterm_at=None)
+m._on_sigterm = lambda *_: setattr(m, "_sigterm_at", time.monotonic()) or print("noted", flush=True)
+signal.signal(signal.SIGTERM, m._on_sigterm)
+if sys.argv[1] == "before":  # the launcher's SIGTERM came while the rank still trained
+    os.kill(os.getpid(), signal.SIGTERM)
+try:
+    raise RuntimeError("[gloo] Connection reset by peer")  # training's collective, a peer gone
+except RuntimeError:
+    TieredCheckpointManager._sigterm_ends_a_failed_run(m)
+    print("closing", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM while close() waits
+    time.sleep(5)
+print("outlived the SIGTERM", flush=True)
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_sigterm_ends_a_failed_runs_close_at_once(when):
+    """Training raised (a peer died): the launcher's SIGTERM ends the rank at once, as
+    in stock torchtitan, instead of being noted as a preemption while close() waits
+    for the dead peer's vote until torchrun's SIGKILL 30 s later. The error is logged."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _FAILED_RUN, when], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert p.returncode == -15, p.stdout + p.stderr
+    assert p.stdout.split() == (["noted"] if when == "before" else ["closing"])
+    assert "training failed; closing" in p.stderr and "Connection reset by peer" in p.stderr

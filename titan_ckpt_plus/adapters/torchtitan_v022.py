@@ -386,6 +386,22 @@ class TieredCheckpointManager(_StockManager):
             logger.warning(f"[titan_ckpt_plus] SIGTERM: preemption notice, stopping within "
                            f"{self._grace_s:g}s")
 
+    def _sigterm_ends_a_failed_run(self) -> None:
+        """Training raised: a SIGTERM now is the launcher stopping the workers, a peer
+        having died, and the flush in close() may wait for that peer's vote. Only
+        noted, it left the rank waiting for torchrun's SIGKILL 30 s later, which
+        delayed the restart by as much; it now ends the rank at once, as in stock
+        torchtitan, and one noted already does so now. The error is logged first:
+        ended by the signal, the rank prints no traceback."""
+        if threading.current_thread() is not threading.main_thread() or \
+                signal.getsignal(signal.SIGTERM) != self._on_sigterm:
+            return  # not ours (preemption_grace_s = 0, or a look): the default or the user's
+        logger.error("[titan_ckpt_plus] training failed; closing (a SIGTERM ends this rank at once)",
+                     exc_info=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self._sigterm_at is not None:
+            signal.raise_signal(signal.SIGTERM)
+
     def _stop_for_preemption(self, step: int) -> None:
         """Finish the save in flight, promote the newest local step to the PFS, and
         end training at this step; torchtitan then closes and exits normally. A
@@ -570,6 +586,8 @@ class TieredCheckpointManager(_StockManager):
                 copy_into(live, saved[key], key)
 
     def close(self) -> None:
+        if sys.exc_info()[1] is not None:  # torchtitan closes from its except block
+            self._sigterm_ends_a_failed_run()
         tiered, self.tiered = getattr(self, "tiered", None), None
         if tiered is not None:
             tiered.close()
