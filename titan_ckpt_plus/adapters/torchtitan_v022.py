@@ -586,10 +586,11 @@ class TieredCheckpointManager(_StockManager):
                 copy_into(live, saved[key], key)
 
     def close(self) -> None:
-        if sys.exc_info()[1] is not None:  # torchtitan closes from its except block
-            self._sigterm_ends_a_failed_run()
         tiered, self.tiered = getattr(self, "tiered", None), None
         if tiered is not None:
+            # the first close only: stock __del__ closes again, maybe in an unrelated except
+            if sys.exc_info()[1] is not None:  # torchtitan closes from its except block
+                self._sigterm_ends_a_failed_run()
             tiered.close()
             self.events.flush()
             self._log_leftovers()
